@@ -1,0 +1,112 @@
+"""Paged attention: what the engine gives a backend each step, and what the backend returns.
+
+The engine's block manager hands out block ids only; what a block holds and
+how the per-layer cache tensor is laid out is the backend's choice
+(``kv_cache_shape``). Each step the model runner builds one
+``AttentionMetadata`` for the whole batch, the backend may derive its own
+per-step state from it once (``prepare``), and every layer then calls
+``forward``, which writes the step's new keys and values into the cache and
+attends over each sequence's cached context plus its new tokens, causally.
+
+A batch mixes sequences freely: a prefill is a sequence with several new
+tokens and no context, a decode one new token after a context, a chunked
+prefill several new tokens after a context. Tokens of all sequences are
+packed along one dimension T in sequence order.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, shared by every layer. B sequences, T new tokens in all.
+
+    slot_mapping:    int64 [T]; cache slot of each new token, block_id * block_size + offset.
+    block_tables:    int32 [B, max_blocks]; the block ids of each sequence in order; entries
+                     past a sequence's last block are padding and must not be read.
+    seq_lens:        int32 [B]; tokens in the cache for each sequence after this step.
+    context_lens:    int32 [B]; tokens already cached before this step (seq_len - query_len).
+    query_start_loc: int32 [B + 1]; sequence b's new tokens are rows
+                     query_start_loc[b]:query_start_loc[b+1] of q, k and v.
+    max_query_len, max_seq_len: host ints, the maxima of the above.
+    block_size:      tokens per block.
+    backend_state:   whatever the attention backend's ``prepare`` derived for this step.
+    """
+
+    slot_mapping: Tensor
+    block_tables: Tensor
+    seq_lens: Tensor
+    context_lens: Tensor
+    query_start_loc: Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    backend_state: Any = field(default=None)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one model: one instance serves every layer.
+
+    Construct with the model's head counts and the cache geometry. Queries have
+    ``num_heads`` heads, keys and values ``num_kv_heads`` (GQA: query head h uses
+    key/value head h // (num_heads // num_kv_heads)).
+    """
+
+    name: ClassVar[str] = "attention"
+    block_sizes: ClassVar[tuple[int, ...]] = (16,)
+    """Block sizes (tokens per block) this backend supports; the first is its default."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if block_size not in self.block_sizes:
+            raise ValueError(
+                f"attention backend {self.name!r} supports block sizes {self.block_sizes}, not {block_size}"
+            )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.dtype, self.device = block_size, dtype, device
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor holding ``num_blocks`` blocks of keys and values."""
+
+    def allocate_kv_cache(self, num_blocks: int) -> Tensor:
+        """One layer's cache tensor, zero-filled (so unwritten slots are never NaN)."""
+        return torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype, device=self.device)
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes in one layer's cache."""
+        per_block = torch.Size(self.kv_cache_shape(1)).numel()
+        return per_block * torch.empty((), dtype=self.dtype).element_size()
+
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Derive per-step state once for all layers; stored in ``meta.backend_state``."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        """q: [T, num_heads, D]; k, v: [T, num_kv_heads, D]; kv_cache: this layer's cache.
+
+        Writes k and v to ``meta.slot_mapping`` in the cache, then returns [T, num_heads, D]:
+        for each new token, softmax(scale * q . K^T) V over its sequence's keys at positions
+        <= its own (context tokens and earlier new tokens), accumulated in float32."""

@@ -1,0 +1,131 @@
+"""The Backend contract: everything the core may ask of a device.
+
+A backend plugin subclasses ``Backend`` and registers the class under the
+entry-point group ``chitu_core.backends`` (name -> class). The core never
+names a device; when it needs to know something about one, this class grows
+a method with a default, and a backend answers it.
+"""
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from chitu_core.attention.contract import AttentionBackend
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here, and if not, why (one sentence a user can act on)."""
+
+    available: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Memory of one device in bytes."""
+
+    total_bytes: int
+    free_bytes: int
+
+
+class GraphRunner(ABC):
+    """Optional: captures a decode step once per batch-size bucket and replays it (CUDA/ACL graphs)."""
+
+    @abstractmethod
+    def capture(self, fn: Callable, batch_sizes: list[int]) -> None:
+        """Capture ``fn`` for each padded batch size."""
+
+    @abstractmethod
+    def replay(self, batch_size: int) -> None:
+        """Replay the graph captured for ``batch_size``."""
+
+
+class Backend(ABC):
+    """A device backend. Instances are cheap: constructing one must not touch the device.
+
+    Class attributes a backend sets:
+      name:              entry-point name users pass as ``device`` ("cpu").
+      device_type:       the torch device type its tensors live on.
+      contract_version:  the chitu-core contract ("MAJOR.MINOR") it was written for.
+      priority:          ``device="auto"`` picks the available backend with the highest.
+    """
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    contract_version: ClassVar[str]
+    priority: ClassVar[int] = 0
+
+    @abstractmethod
+    def is_available(self) -> Availability:
+        """Whether this backend's hardware and libraries are present, with the reason if not."""
+
+    @abstractmethod
+    def device_count(self) -> int:
+        """How many devices of this kind the process can use."""
+
+    @abstractmethod
+    def memory_info(self, index: int = 0) -> MemoryInfo:
+        """Total and free memory of device ``index``."""
+
+    @abstractmethod
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Activation/weight dtypes the op set and attention run in; the first is the default."""
+
+    def device(self, index: int = 0) -> torch.device:
+        """The torch device of device ``index``."""
+        return torch.device(self.device_type, index)
+
+    def synchronize(self, index: int = 0) -> None:
+        """Wait for queued work on device ``index`` (a no-op where execution is synchronous)."""
+
+    def native_ops(self) -> Mapping[str, Callable]:
+        """Ops (names from ``chitu_core.ops.OP_NAMES``) this backend implements itself.
+        Every op left out is served by the core's reference implementation, and reported
+        as a fallback."""
+        return {}
+
+    def attention_backends(self) -> Mapping[str, "type[AttentionBackend]"]:
+        """Attention backends by name; the first is the default. Empty means the core's
+        reference attention (reported as a fallback)."""
+        return {}
+
+    def process_group_backend(self) -> str:
+        """The torch.distributed backend its communicator runs on ("gloo", ...)."""
+        return "gloo"
+
+    def quant_methods(self) -> frozenset[str]:
+        """Names of the quantization methods (see ``chitu_core.quantization``) it can run."""
+        return frozenset({"unquantized"})
+
+    def graph_runner(self) -> GraphRunner | None:
+        """A graph runner for decode steps, or None where graphs are not supported."""
+        return None
+
+    def kv_cache_budget(self, index: int = 0) -> int:
+        """Bytes the engine may give the KV cache when the user sets no size (after weights
+        are loaded). The default takes a quarter of free memory, capped at 4 GiB."""
+        return min(self.memory_info(index).free_bytes // 4, 4 << 30)
+
+    def set_num_threads(self, threads: int | None) -> None:
+        """Hint for host-side parallelism; backends that have no use for it ignore it."""
+        if threads:
+            torch.set_num_threads(threads)
+
+
+def host_memory_info() -> MemoryInfo:
+    """Physical and available host memory, from the OS (for host-memory backends)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        free = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        free = os.sysconf("SC_AVPHYS_PAGES") * page
+    return MemoryInfo(total, free)

@@ -1,0 +1,24 @@
+"""Engine configuration, one pydantic model shared by the offline API (and later the server)."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """How to load and run a model. Every field has a default that works on a laptop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="HF model directory (config.json + safetensors)")
+    device: str = Field("auto", description="backend name, or 'auto' for the highest-priority available one")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto': the checkpoint's dtype if the backend supports it, else the backend's default")
+    max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's)")
+    max_num_seqs: int = Field(256, ge=1, description="most sequences in one step")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="most new tokens in one step")
+    kv_cache_memory: int | None = Field(None, ge=1, description="bytes for the KV cache (default: the backend's budget)")
+    block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")
+    seed: int = Field(0, description="seeds the per-request seeds of requests that set none")
+    num_threads: int | None = Field(None, ge=1, description="host threads, for backends that use them")
+    load_progress: bool = Field(True, description="show a progress bar while loading weights")

@@ -1,0 +1,82 @@
+"""The Communicator contract: the collectives tensor and pipeline parallelism need.
+
+It wraps one torch.distributed process group; the device backend names the
+process-group backend (``Backend.process_group_backend()``). Launch is
+torchrun's business: ``Communicator.from_env`` reads RANK/WORLD_SIZE as torchrun
+sets them. With a world of one, every collective returns its input and no
+process group is created.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+class Communicator:
+    """Collectives for one group of ranks. Tensors must live on this rank's device."""
+
+    def __init__(self, group: "dist.ProcessGroup | None" = None, world_size: int = 1, rank: int = 0):
+        self.group, self.world_size, self.rank = group, world_size, rank
+
+    @classmethod
+    def single(cls) -> "Communicator":
+        """A world of one: every collective is the identity."""
+        return cls()
+
+    @classmethod
+    def from_env(cls, pg_backend: str) -> "Communicator":
+        """Join the default process group from torchrun's environment (or stay single)."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size == 1:
+            return cls.single()
+        if not dist.is_initialized():
+            dist.init_process_group(backend=pg_backend)
+        return cls(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """Sum of x over ranks, in place; returns x."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: Tensor, dim: int = 0) -> Tensor:
+        """Concatenation of every rank's x along ``dim``, in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, x: Tensor, dim: int = 0) -> Tensor:
+        """Sum over ranks of x, split along ``dim`` into world_size equal parts; rank r gets part r."""
+        if self.world_size == 1:
+            return x
+        if x.shape[dim] % self.world_size:
+            raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} is not divisible by world size {self.world_size}")
+        parts = [p.contiguous() for p in x.chunk(self.world_size, dim=dim)]
+        out = torch.empty_like(parts[self.rank])
+        if self.group is not None and dist.get_backend(self.group) == "gloo":
+            # gloo has no reduce_scatter: reduce everything, keep our part.
+            total = x.contiguous().clone()
+            dist.all_reduce(total, group=self.group)
+            return total.chunk(self.world_size, dim=dim)[self.rank].contiguous()
+        dist.reduce_scatter(out, parts, group=self.group)
+        return out
+
+    def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
+        """x from rank ``src`` on every rank, in place; returns x."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
+    def send(self, x: Tensor, dst: int) -> None:
+        """Send x to rank ``dst`` (blocking)."""
+        dist.send(x.contiguous(), dst=dst, group=self.group)
+
+    def recv(self, x: Tensor, src: int) -> Tensor:
+        """Receive into x from rank ``src`` (blocking); returns x."""
+        dist.recv(x, src=src, group=self.group)
+        return x

@@ -1,0 +1,19 @@
+"""The attention layer: hands q, k, v of one layer to the backend's paged attention."""
+
+import torch
+from torch import nn
+
+from chitu_core.layers.context import BuildContext, StepContext
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, ctx: BuildContext):
+        super().__init__()
+        self.backend = ctx.attention
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx, self.scale = layer_idx, head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]."""
+        out = self.backend.forward(q, k, v, step.kv_caches[self.layer_idx], step.meta, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

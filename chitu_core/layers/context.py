@@ -1,0 +1,42 @@
+"""What layers are built with (BuildContext) and what a forward pass carries (StepContext)."""
+
+from dataclasses import dataclass
+
+import torch
+
+from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.distributed.communicator import Communicator
+from chitu_core.ops.table import Ops
+from chitu_core.quantization import QuantMethod, get_quant_method
+
+
+@dataclass
+class BuildContext:
+    """Everything a layer needs at construction: the backend's ops and attention, the
+    tensor-parallel communicator, and the weights' dtype, device and quantization method."""
+
+    ops: Ops
+    attention: AttentionBackend
+    comm: Communicator
+    dtype: torch.dtype
+    device: torch.device
+    quant_method: str = "unquantized"
+
+    @property
+    def tp_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.comm.world_size
+
+    def new_quant_method(self) -> QuantMethod:
+        return get_quant_method(self.quant_method)()
+
+
+@dataclass
+class StepContext:
+    """One forward step: the attention metadata and every layer's KV-cache tensor."""
+
+    meta: AttentionMetadata
+    kv_caches: list[torch.Tensor]

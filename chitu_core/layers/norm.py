@@ -1,0 +1,21 @@
+"""RMSNorm over the last dimension, optionally fused with the residual add."""
+
+import torch
+from torch import nn
+
+from chitu_core.layers.context import BuildContext
+from chitu_core.layers.weights import default_loader, set_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ctx: BuildContext):
+        super().__init__()
+        self.ops, self.eps = ctx.ops, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
+        set_loader(self.weight, default_loader)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: the normed x. With it: (normed x + residual, x + residual)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,82 @@
+"""Rotary position embedding: the cos/sin table for a config's RoPE scaling, applied by the op.
+
+Scaling types, as transformers defines them: "default", "linear" (positions
+divided by factor), "dynamic" (NTK-aware: the base grows once a position passes
+the original context), "llama3" (Llama 3.1's frequency-band interpolation).
+Both config.json spellings are read: ``rope_parameters`` (transformers >= 5)
+and ``rope_theta`` + ``rope_scaling`` (earlier releases).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from chitu_core.errors import ModelLoadError
+from chitu_core.layers.context import BuildContext
+
+SUPPORTED = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str
+    theta: float
+    params: dict = field(default_factory=dict)
+
+
+def rope_config(hf_config) -> RopeConfig:
+    """Normalize an HF config's RoPE settings, whichever transformers version wrote them."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params = {**legacy, **params}
+    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if rope_type not in SUPPORTED:
+        raise ModelLoadError(f"RoPE scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    return RopeConfig(rope_type, float(theta), params)
+
+
+def inv_freq_table(rope: RopeConfig, rot_dim: int, num_positions: int, max_position_embeddings: int) -> torch.Tensor:
+    """float32 [num_positions, rot_dim/2]: the inverse frequency each position uses."""
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    p = rope.params
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / p["factor"]
+    elif rope.rope_type == "llama3":
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old_len = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    table = inv_freq.expand(num_positions, -1).clone()
+    if rope.rope_type == "dynamic":
+        # A position past the original context uses the base transformers computes for a
+        # sequence that long; positions inside it are unscaled, exactly as transformers.
+        orig = p.get("original_max_position_embeddings") or max_position_embeddings
+        seq_len = torch.arange(orig, num_positions, dtype=torch.float64) + 1
+        base = rope.theta * ((p["factor"] * seq_len / orig) - (p["factor"] - 1)) ** (rot_dim / (rot_dim - 2))
+        table[orig:] = (1.0 / (base[:, None] ** exponents.double()[None])).float()
+    return table
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the float32 [max_positions, rot_dim] cos|sin table and applies ``ops.rotary_embedding``."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, ctx: BuildContext,
+                 is_neox: bool = True, partial_rotary_factor: float = 1.0, max_position_embeddings: int | None = None):
+        super().__init__()
+        self.ops, self.is_neox = ctx.ops, is_neox
+        rot_dim = int(head_dim * partial_rotary_factor)
+        inv_freq = inv_freq_table(rope, rot_dim, max_positions, max_position_embeddings or max_positions)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(ctx.device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)

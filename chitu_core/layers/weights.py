@@ -1,0 +1,34 @@
+"""Weight-loader helpers: attach loaders to parameters, check shapes with messages people can act on."""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from chitu_core.errors import ModelLoadError
+
+
+class ShapeMismatch(ModelLoadError):
+    """A checkpoint tensor's shape disagrees with the model built from config.json."""
+
+
+def set_loader(param: nn.Parameter, loader: Callable, shard_ids: tuple = (None,)) -> None:
+    """Attach ``loader(param, tensor, shard_id)``; ``shard_ids`` lists the shards that must all load."""
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.shard_ids = shard_ids  # type: ignore[attr-defined]
+
+
+def check_shape(got: torch.Size, expected: tuple[int, ...], what: str) -> None:
+    if tuple(got) != tuple(expected):
+        raise ShapeMismatch(f"{what}: checkpoint tensor has shape {list(got)}, the model built from config.json expects {list(expected)}")
+
+
+def narrow_rank(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's slice of ``t`` along ``dim``, each rank holding ``size`` rows."""
+    return t.narrow(dim, rank * size, size)
+
+
+def default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy a whole (replicated) tensor."""
+    check_shape(loaded.shape, tuple(param.shape), "replicated parameter")
+    param.data.copy_(loaded)

@@ -1,0 +1,106 @@
+"""The reference implementation of every op in ``spec``: plain PyTorch, any device, any dtype.
+
+It is the oracle of the conformance suite (run there in float64) and the
+fallback for ops a backend does not implement. Clarity over speed.
+"""
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.to(_acc_dtype(x))
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def rotary_embedding(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, is_neox: bool
+) -> tuple[Tensor, Tensor]:
+    rot = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, R/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: Tensor) -> Tensor:
+        acc = _acc_dtype(x)
+        x_rot, x_pass = x[..., :rot].to(acc), x[..., rot:]
+        if is_neox:
+            x1, x2 = x_rot.chunk(2, dim=-1)
+        else:
+            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        c, s = cos.to(acc), sin.to(acc)
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        out = torch.cat((o1, o2), -1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
+        return torch.cat((out.to(x.dtype), x_pass), -1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+def embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    return weight[ids]
+
+
+def greedy_sample(logits: Tensor) -> Tensor:
+    return logits.argmax(dim=-1)
+
+
+def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    t = temperature.to(torch.float32)
+    t = torch.where(t > 0, t, torch.ones_like(t))
+    return logits.to(torch.float32) / t[:, None]
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    vocab = logits.shape[-1]
+    out = logits.to(torch.float32).clone()
+    sorted_logits, order = out.sort(dim=-1, descending=True)
+    k = top_k.to(torch.int64)
+    k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [B, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better-ranked tokens
+    drop = mass_before >= top_p.to(torch.float32)[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return out.scatter(1, order, sorted_logits)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    out = logits.to(torch.float32)
+    probs = out.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.to(torch.float32)[:, None]
+    return out.masked_fill(probs < threshold, float("-inf"))
+
+
+def random_sample(probs: Tensor, exponentials: Tensor) -> Tensor:
+    return (probs / exponentials).argmax(dim=-1)
+
+
+def log_softmax(logits: Tensor) -> Tensor:
+    return torch.log_softmax(logits.to(_acc_dtype(logits)), dim=-1)

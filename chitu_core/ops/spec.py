@@ -1,0 +1,88 @@
+"""Op signatures and semantics. Every backend op must match these exactly.
+
+Shapes use T for tokens in the step, H for hidden size, B for rows (sequences
+being sampled), V for vocabulary size. Unless an op says otherwise, outputs
+have the dtype of the first tensor input, inputs may be non-contiguous, and
+ops return new tensors (they never modify their inputs). Reductions (norms,
+softmax) accumulate in at least float32.
+"""
+
+from typing import Protocol
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class OpSet(Protocol):
+    """The ops a backend provides. ``chitu_core.ops.reference`` is the definition by example."""
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x: [..., H], weight: [H]. Returns weight * (x / sqrt(mean(x**2, -1) + eps)).
+
+        The normalisation is computed in float32 and cast back to x.dtype before
+        the multiplication by weight (the Llama convention)."""
+
+    def fused_add_rms_norm(
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        """x, residual: [..., H]. Returns (rms_norm(x + residual), x + residual); the sum is
+        rounded to x.dtype before the norm, as an unfused add would be."""
+
+    def rotary_embedding(
+        self, positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, is_neox: bool
+    ) -> tuple[Tensor, Tensor]:
+        """Rotary position embedding of queries and keys.
+
+        positions: int64 [T]; q: [T, Hq, D]; k: [T, Hk, D]; cos_sin_cache: float32 [P, R]
+        holding cos(pos * inv_freq) in columns [0, R/2) and sin in [R/2, R), with R <= D
+        the rotary dimension (only the first R channels of each head rotate). Rotation is
+        computed in float32. is_neox pairs channel i with i + R/2 (GPT-NeoX, Llama);
+        otherwise channel 2i with 2i+1 (GPT-J, interleaved). Returns rotated (q, k)."""
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        """x: [..., 2I]. Returns silu(x[..., :I]) * x[..., I:] ([..., I])."""
+
+    def gelu_and_mul(self, x: Tensor, approximate: str = "none") -> Tensor:
+        """x: [..., 2I]. Returns gelu(x[..., :I]) * x[..., I:]; approximate is "none" (erf)
+        or "tanh"."""
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """x: [..., K], weight: [N, K], bias: [N] or None. Returns x @ weight.T + bias."""
+
+    def embedding(self, ids: Tensor, weight: Tensor) -> Tensor:
+        """ids: int64 [...] in [0, V); weight: [V, H]. Returns weight[ids] ([..., H])."""
+
+    def greedy_sample(self, logits: Tensor) -> Tensor:
+        """logits: [B, V]. Returns int64 [B], the index of the largest logit (the lowest
+        index among ties)."""
+
+    def apply_temperature(self, logits: Tensor, temperature: Tensor) -> Tensor:
+        """logits: [B, V]; temperature: float32 [B]. Returns float32 logits / temperature per
+        row; rows whose temperature is 0 are returned unscaled (they are sampled greedily)."""
+
+    def apply_top_k_top_p(self, logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+        """logits: float32 [B, V]; top_k: int64 [B]; top_p: float32 [B].
+
+        Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary
+        are all kept); k <= 0 or k >= V disables it. Top-p then keeps the smallest set of
+        most probable tokens (of the softmax of what top-k kept) whose probability sums to
+        at least top_p, and always the most probable one; top_p = 1 disables it. Removed
+        tokens get -inf. Returns float32 [B, V]."""
+
+    def apply_min_p(self, logits: Tensor, min_p: Tensor) -> Tensor:
+        """logits: float32 [B, V]; min_p: float32 [B]. Sets to -inf every token whose
+        probability is below min_p times the row's largest probability; min_p = 0 disables."""
+
+    def random_sample(self, probs: Tensor, exponentials: Tensor) -> Tensor:
+        """probs: float32 [B, V] (rows sum to 1); exponentials: float32 [B, V] of
+        independent Exp(1) draws. Returns int64 [B], argmax(probs / exponentials): an exact
+        sample from each row's distribution, determined entirely by the given noise."""
+
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        """logits: [B, V]. Returns float32 log-probabilities over the last dimension."""
+
+
+OP_NAMES: tuple[str, ...] = tuple(
+    name for name in OpSet.__dict__ if not name.startswith("_") and callable(OpSet.__dict__[name])
+)

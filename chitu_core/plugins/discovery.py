@@ -1,0 +1,179 @@
+"""Finding, filtering, loading and checking plugins."""
+
+import functools
+import importlib.metadata
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pluggy
+from stevedore import driver
+
+from chitu_core.backend import Backend
+from chitu_core.errors import BackendNotFound, BackendUnavailable, ModelLoadError, PluginError
+from chitu_core.ops.table import Ops, resolve_ops
+from chitu_core.plugins import hookspecs
+from chitu_core.version import check_contract
+
+BACKENDS_GROUP = "chitu_core.backends"
+MODELS_GROUP = "chitu_core.models"
+HOOKS_GROUP = "chitu_core.hooks"
+
+
+@dataclass(frozen=True)
+class PluginEntry:
+    """One entry point of ours, with the distribution that declares it."""
+
+    group: str
+    name: str
+    target: str
+    dist_name: str
+    dist_version: str
+
+    @property
+    def origin(self) -> str:
+        return f"{self.dist_name} {self.dist_version}"
+
+
+def _normalize(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def plugin_filter() -> set[str] | None:
+    """The names CHITU_PLUGINS allows (entry-point or distribution names), or None for all."""
+    names = {_normalize(n) for n in os.environ.get("CHITU_PLUGINS", "").split(",") if n.strip()}
+    return names or None
+
+
+def entries(group: str) -> list[PluginEntry]:
+    """Entry points of ``group`` that CHITU_PLUGINS allows, first distribution on sys.path winning."""
+    allowed = plugin_filter()
+    found: dict[str, PluginEntry] = {}
+    for ep in importlib.metadata.entry_points(group=group):
+        dist = getattr(ep, "dist", None)
+        entry = PluginEntry(group, ep.name, ep.value, dist.metadata["Name"] if dist else "?", dist.version if dist else "?")
+        if allowed is not None and _normalize(entry.name) not in allowed and _normalize(entry.dist_name) not in allowed:
+            continue
+        found.setdefault(entry.name, entry)
+    return sorted(found.values(), key=lambda e: e.name)
+
+
+def _entry(group: str, name: str) -> PluginEntry | None:
+    return next((e for e in entries(group) if e.name == name), None)
+
+
+def _load(entry: PluginEntry) -> object:
+    """Import one entry point through stevedore; import errors become a PluginError naming it."""
+    try:
+        return driver.DriverManager(entry.group, entry.name, invoke_on_load=False).driver
+    except Exception as exc:  # the plugin's own import failure, whatever it raised
+        raise PluginError(
+            f"plugin {entry.name!r} ({entry.group}) from {entry.origin} failed to import: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def load_backend_class(name: str) -> type[Backend]:
+    """Import backend ``name`` only, and check it. Raises BackendNotFound if it is not installed."""
+    entry = _entry(BACKENDS_GROUP, name)
+    if entry is None:
+        installed = [e.name for e in entries(BACKENDS_GROUP)]
+        hint = f" (CHITU_PLUGINS={os.environ['CHITU_PLUGINS']} excludes others)" if plugin_filter() else ""
+        raise BackendNotFound(
+            f"no backend named {name!r} is installed; install it with `pip install chitu-{name}` "
+            f"(installed backends: {', '.join(installed) or 'none'}{hint})"
+        )
+    cls = _load(entry)
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise PluginError(f"backend entry point {name!r} from {entry.origin} is not a chitu_core.backend.Backend subclass")
+    check_contract("backend", name, entry.origin, getattr(cls, "contract_version", None))
+    return cls
+
+
+def get_backend(device: str = "auto") -> Backend:
+    """The backend for ``device``: a backend name, or "auto" for the highest-priority available one."""
+    if device != "auto":
+        backend = load_backend_class(device)()
+        status = backend.is_available()
+        if not status.available:
+            raise BackendUnavailable(f"backend {device!r} is installed but cannot run here: {status.reason}")
+        return backend
+    candidates: list[Backend] = []
+    problems: list[str] = []
+    for entry in entries(BACKENDS_GROUP):
+        try:
+            backend = load_backend_class(entry.name)()
+            status = backend.is_available()
+        except PluginError as exc:
+            problems.append(str(exc))
+            continue
+        if status.available:
+            candidates.append(backend)
+        else:
+            problems.append(f"{entry.name}: {status.reason}")
+    if not candidates:
+        detail = "; ".join(problems) or "no backend is installed"
+        raise BackendNotFound(f"device='auto' found no available backend ({detail}); install one, e.g. `pip install chitu-cpu`")
+    return max(candidates, key=lambda b: b.priority)
+
+
+def load_model_class(architecture: str) -> type:
+    """The model class registered for an HF ``architectures`` name."""
+    entry = _entry(MODELS_GROUP, architecture)
+    if entry is None:
+        installed = ", ".join(e.name for e in entries(MODELS_GROUP)) or "none (pip install chitu-models)"
+        raise ModelLoadError(f"architecture {architecture!r} is not supported by any installed model plugin; installed: {installed}")
+    cls = _load(entry)
+    check_contract("model", architecture, entry.origin, getattr(cls, "contract_version", None))
+    return cls
+
+
+@dataclass
+class HookRegistry:
+    """The pluggy manager with every accepted hook plugin, and the refusals."""
+
+    manager: pluggy.PluginManager
+    loaded: list[PluginEntry]
+    failures: dict[str, str]
+
+
+@functools.lru_cache(maxsize=1)
+def hook_registry() -> HookRegistry:
+    """Load hook plugins once per process (see hookspecs for what they may contribute)."""
+    from chitu_core.quantization import register_quant_method
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    loaded, failures = [], {}
+    for entry in entries(HOOKS_GROUP):
+        try:
+            plugin = _load(entry)
+            check_contract("hook plugin", entry.name, entry.origin, getattr(plugin, "CHITU_CONTRACT_VERSION", None))
+            pm.register(plugin, name=entry.name)
+        except PluginError as exc:
+            failures[entry.name] = str(exc)
+            continue
+        loaded.append(entry)
+    for impl in pm.hook.chitu_quant_methods.get_hookimpls():
+        for cls in impl.function() or []:
+            register_quant_method(cls, origin=impl.plugin_name)
+    return HookRegistry(pm, loaded, failures)
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide pluggy manager with all accepted hook plugins registered."""
+    return hook_registry().manager
+
+
+def op_overrides(backend_name: str) -> dict[str, tuple[str, Callable]]:
+    """op name -> (hook plugin name, fn) for ops hook plugins override on ``backend_name``."""
+    out: dict[str, tuple[str, Callable]] = {}
+    for impl in plugin_manager().hook.chitu_override_ops.get_hookimpls():  # registration order: the last registered wins
+        for op, fn in (impl.function(backend_name=backend_name) or {}).items():
+            out[op] = (impl.plugin_name, fn)
+    return out
+
+
+def backend_ops(backend: Backend) -> Ops:
+    """The resolved op table of ``backend``: hook overrides, then native ops, then reference."""
+    return resolve_ops(backend.name, backend.native_ops(), op_overrides(backend.name))

@@ -1,0 +1,153 @@
+"""Llama family: Llama 2/3/3.1/3.2 (llama3 RoPE scaling, tied embeddings), SmolLM2, Mistral.
+
+The decoder is parameterised by the few places the family differs (biases,
+per-head q/k norm), so Qwen models reuse it (see qwen.py).
+"""
+
+import torch
+from torch import nn
+
+from chitu_core.layers import (
+    Attention,
+    BuildContext,
+    LMHead,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    StepContext,
+    VocabEmbedding,
+    rope_config,
+)
+from chitu_core.model import CausalLM, KVGeometry
+
+ACTIVATIONS = {"silu": "silu_and_mul", "gelu": "gelu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, ctx: BuildContext,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        hd = head_dim(config)
+        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads, n_kv, ctx, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, ctx, bias=o_bias)
+        self.hq, self.hk, self.hd = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps, ctx) if qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps, ctx) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(self.hq, self.hk, hd, layer_idx, ctx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.hd, self.hk * self.hd, self.hk * self.hd], dim=-1)
+        q, k, v = q.view(t, self.hq, self.hd), k.view(t, self.hk, self.hd), v.view(t, self.hk, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, step))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config, ctx: BuildContext):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], ctx, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, ctx, bias=bias)
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        self.act = getattr(ctx.ops, ACTIVATIONS[act])
+        self.act_kwargs = {"approximate": "tanh"} if act == "gelu_pytorch_tanh" else {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x), **self.act_kwargs))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, ctx: BuildContext, **attn_opts):
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer_idx, rotary, ctx, **attn_opts)
+        self.mlp = DecoderMLP(config, ctx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+
+    def forward(self, positions, hidden, residual, step):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, step)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, ctx: BuildContext, **attn_opts):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.rotary = RotaryEmbedding(
+            head_dim(config), config.max_position_embeddings, rope_config(config), ctx,
+            partial_rotary_factor=getattr(config, "partial_rotary_factor", 1.0),
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary, ctx, **attn_opts) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+
+    def forward(self, input_ids, positions, step):
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, step)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(CausalLM):
+    contract_version = "1.0"
+    stacked_params = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+    ignored_weights = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config, ctx: BuildContext):
+        super().__init__()
+        self.model = DecoderModel(config, ctx, **self.attention_options(config))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, ctx)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie(self.model.embed_tokens)
+
+    @classmethod
+    def attention_options(cls, config) -> dict:
+        bias = getattr(config, "attention_bias", False)
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    @classmethod
+    def kv_geometry(cls, config, tp_size: int) -> KVGeometry:
+        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return KVGeometry(config.num_hidden_layers, config.num_attention_heads // tp_size, max(1, n_kv // tp_size), head_dim(config))
+
+    def forward(self, input_ids, positions, step):
+        return self.model(input_ids, positions, step)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama's decoder. Sliding-window attention is not in the attention contract yet,
+    so the context is capped at the window, where full and sliding attention agree."""
+
+    @classmethod
+    def max_model_len(cls, config) -> int:
+        window = getattr(config, "sliding_window", None)
+        return min(config.max_position_embeddings, window or config.max_position_embeddings)

@@ -1,0 +1,51 @@
+"""Paged attention on the CPU with PyTorch's scaled_dot_product_attention.
+
+Layout: [2, num_blocks, block_size, num_kv_heads, head_dim]. Per step, ``prepare``
+builds the packed<->padded index and the causal mask once; each layer then
+scatters its new keys/values into the cache, gathers every sequence's keys and
+values through its block table, and runs one SDPA call for the whole batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.attention.reference import causal_mask, gather_kv, packed_to_padded_index, write_kv
+
+
+@dataclass
+class CpuStepState:
+    seq_idx: torch.Tensor  # [T] sequence of each packed row
+    pos: torch.Tensor  # [T] its row among the sequence's new tokens
+    mask: torch.Tensor  # bool [B, 1, max_query_len, max_seq_len]
+
+
+class CpuSdpaAttention(AttentionBackend):
+    name = "sdpa"
+    block_sizes = (16, 1, 8, 32, 64, 128)
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def prepare(self, meta: AttentionMetadata) -> CpuStepState:
+        seq_idx, pos = packed_to_padded_index(meta)
+        return CpuStepState(seq_idx, pos, causal_mask(meta)[:, None])
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        state: CpuStepState = meta.backend_state
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        keys, values = gather_kv(kv_cache, meta)  # [B, S, Hk, D]
+        b, hq, d = meta.num_seqs, q.shape[1], q.shape[2]
+        q_pad = q.new_zeros(b, meta.max_query_len, hq, d)
+        q_pad[state.seq_idx, state.pos] = q
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=state.mask,
+            scale=scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, Hq, max_q, D]
+        return out.transpose(1, 2)[state.seq_idx, state.pos]

@@ -1,0 +1,81 @@
+"""Native CPU ops: fused where PyTorch offers it. Ops absent from NATIVE_OPS fall back to the reference."""
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, is_neox: bool) -> tuple[Tensor, Tensor]:
+    # One pass over queries and keys together: [T, Hq + Hk, D].
+    hq, rot = q.shape[1], cos_sin_cache.shape[-1]
+    qk = torch.cat((q, k), dim=1)
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    x = qk[..., :rot].float()
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    out = torch.cat((rotated.to(qk.dtype), qk[..., rot:]), dim=-1)
+    return out[:, :hq], out[:, hq:]
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+def embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    return F.embedding(ids, weight)
+
+
+def greedy_sample(logits: Tensor) -> Tensor:
+    return torch.argmax(logits, dim=-1)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    # Same semantics as the reference; sorts ascending so the kept set is a suffix.
+    vocab = logits.shape[-1]
+    logits = logits.float()
+    sorted_logits, order = logits.sort(dim=-1)
+    k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    kth = sorted_logits.gather(1, (vocab - k)[:, None])
+    sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_after = probs.flip(-1).cumsum(-1).flip(-1) - probs  # mass of strictly better-ranked tokens
+    drop = mass_after >= top_p[:, None]
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def log_softmax(logits: Tensor) -> Tensor:
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+NATIVE_OPS = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+    "linear": linear,
+    "embedding": embedding,
+    "greedy_sample": greedy_sample,
+    "apply_top_k_top_p": apply_top_k_top_p,
+    "log_softmax": log_softmax,
+}
