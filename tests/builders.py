@@ -60,3 +60,32 @@ def build_model(path: Path, arch: str = "llama", seed: int = 0, dtype=torch.floa
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path)
     return model
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? Paris is the capital of France.",
+    "Chitu serves large language models on many kinds of hardware.",
+    "Héllo wörld, naïve café, 東京 and Zürich: multi-byte text matters.",
+]
+
+
+def save_tokenizer(path: Path, vocab_size: int = 400):
+    """Train a small byte-level BPE tokenizer with a chat template and save it beside a model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(path)
+    return fast
