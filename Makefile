@@ -12,7 +12,7 @@ test: install
 # distributions reinstalled non-editable on every run, as a user installs them.
 $(VENV)/.deps: pyproject.toml models/pyproject.toml plugins/cpu/pyproject.toml
 	python3 -m venv $(VENV)
-	$(PIP) --upgrade pip "setuptools>=69" wheel
+	$(PIP) --upgrade pip "setuptools>=77" wheel
 	$(PIP) torch==2.13.0
 	$(PIP) ./ ./models ./plugins/cpu "pytest>=8"
 	touch $@

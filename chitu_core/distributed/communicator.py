@@ -77,6 +77,7 @@ class Communicator:
         dist.send(x.contiguous(), dst=dst, group=self.group)
 
     def recv(self, x: Tensor, src: int) -> Tensor:
-        """Receive into x from rank ``src`` (blocking); returns x."""
-        dist.recv(x, src=src, group=self.group)
-        return x
+        """Receive into x from rank ``src`` (blocking); returns x. x may be a non-contiguous view."""
+        buf = x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.recv(buf, src=src, group=self.group)
+        return x if buf is x else x.copy_(buf)

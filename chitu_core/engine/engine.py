@@ -58,7 +58,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
         budget = config.kv_cache_memory or self.backend.kv_cache_budget()
         per_block = self.attention.bytes_per_block() * geometry.num_layers
-        num_blocks = budget // per_block
+        # Never more than the configured limits can use: max_num_seqs sequences of max_model_len.
+        useful = config.max_num_seqs * -(-self.max_model_len // block_size)
+        num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
             raise ChituError(f"kv_cache_memory={budget} bytes is less than one KV block ({per_block} bytes)")
         if num_blocks * block_size < self.max_model_len:

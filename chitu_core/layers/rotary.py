@@ -24,6 +24,13 @@ class RopeConfig:
     rope_type: str
     theta: float
     params: dict = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0
+
+    def max_positions(self, max_position_embeddings: int) -> int:
+        """Positions the table must cover: dynamic NTK scaling extends the context by its factor."""
+        if self.rope_type == "dynamic":
+            return int(max_position_embeddings * self.params["factor"])
+        return max_position_embeddings
 
 
 def rope_config(hf_config) -> RopeConfig:
@@ -33,9 +40,10 @@ def rope_config(hf_config) -> RopeConfig:
     params = {**legacy, **params}
     theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    partial = params.pop("partial_rotary_factor", None) or getattr(hf_config, "partial_rotary_factor", None) or 1.0
     if rope_type not in SUPPORTED:
         raise ModelLoadError(f"RoPE scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    return RopeConfig(rope_type, float(theta), params)
+    return RopeConfig(rope_type, float(theta), params, float(partial))
 
 
 def inv_freq_table(rope: RopeConfig, rot_dim: int, num_positions: int, max_position_embeddings: int) -> torch.Tensor:
@@ -58,23 +66,23 @@ def inv_freq_table(rope: RopeConfig, rot_dim: int, num_positions: int, max_posit
     if rope.rope_type == "dynamic":
         # A position past the original context uses the base transformers computes for a
         # sequence that long; positions inside it are unscaled, exactly as transformers.
-        orig = p.get("original_max_position_embeddings") or max_position_embeddings
+        orig = max_position_embeddings  # transformers scales from the config's context, whatever else is set
         seq_len = torch.arange(orig, num_positions, dtype=torch.float64) + 1
         base = rope.theta * ((p["factor"] * seq_len / orig) - (p["factor"] - 1)) ** (rot_dim / (rot_dim - 2))
-        table[orig:] = (1.0 / (base[:, None] ** exponents.double()[None])).float()
+        table[orig:] = 1.0 / (base.float()[:, None] ** exponents[None])  # float32 powers, as transformers
     return table
 
 
 class RotaryEmbedding(nn.Module):
     """Holds the float32 [max_positions, rot_dim] cos|sin table and applies ``ops.rotary_embedding``."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, ctx: BuildContext,
-                 is_neox: bool = True, partial_rotary_factor: float = 1.0, max_position_embeddings: int | None = None):
+    def __init__(self, head_dim: int, max_position_embeddings: int, rope: RopeConfig, ctx: BuildContext, is_neox: bool = True):
         super().__init__()
         self.ops, self.is_neox = ctx.ops, is_neox
-        rot_dim = int(head_dim * partial_rotary_factor)
-        inv_freq = inv_freq_table(rope, rot_dim, max_positions, max_position_embeddings or max_positions)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq
+        rot_dim = int(head_dim * rope.partial_rotary_factor)
+        positions = rope.max_positions(max_position_embeddings)
+        inv_freq = inv_freq_table(rope, rot_dim, positions, max_position_embeddings)
+        freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache.to(ctx.device), persistent=False)
 

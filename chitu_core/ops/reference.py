@@ -85,7 +85,8 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better-ranked tokens
-    drop = mass_before >= top_p.to(torch.float32)[:, None]
+    p = top_p.to(torch.float32)[:, None]
+    drop = (mass_before >= p) & (p < 1)  # p = 1 keeps all, though the float sum may reach 1 early
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return out.scatter(1, order, sorted_logits)

@@ -1,5 +1,6 @@
 """Finding, filtering, loading and checking plugins."""
 
+import dataclasses
 import functools
 import importlib.metadata
 import os
@@ -29,6 +30,7 @@ class PluginEntry:
     target: str
     dist_name: str
     dist_version: str
+    rivals: tuple[str, ...] = ()  # other distributions registering the same name in the group
 
     @property
     def origin(self) -> str:
@@ -45,16 +47,21 @@ def plugin_filter() -> set[str] | None:
     return names or None
 
 
-def entries(group: str) -> list[PluginEntry]:
-    """Entry points of ``group`` that CHITU_PLUGINS allows, first distribution on sys.path winning."""
-    allowed = plugin_filter()
+def entries(group: str, filtered: bool = True) -> list[PluginEntry]:
+    """Entry points of ``group`` that CHITU_PLUGINS allows (all if not ``filtered``), first
+    distribution on sys.path winning."""
+    allowed = plugin_filter() if filtered else None
     found: dict[str, PluginEntry] = {}
     for ep in importlib.metadata.entry_points(group=group):
         dist = getattr(ep, "dist", None)
         entry = PluginEntry(group, ep.name, ep.value, dist.metadata["Name"] if dist else "?", dist.version if dist else "?")
         if allowed is not None and _normalize(entry.name) not in allowed and _normalize(entry.dist_name) not in allowed:
             continue
-        found.setdefault(entry.name, entry)
+        if entry.name in found:
+            first = found[entry.name]
+            found[entry.name] = dataclasses.replace(first, rivals=first.rivals + (entry.origin,))
+        else:
+            found[entry.name] = entry
     return sorted(found.values(), key=lambda e: e.name)
 
 
@@ -62,8 +69,20 @@ def _entry(group: str, name: str) -> PluginEntry | None:
     return next((e for e in entries(group) if e.name == name), None)
 
 
+def _filtered_out(group: str, name: str) -> PluginEntry | None:
+    """The entry ``name`` of ``group`` if it is installed but CHITU_PLUGINS leaves it out."""
+    if plugin_filter() is None:
+        return None
+    return next((e for e in entries(group, filtered=False) if e.name == name), None)
+
+
 def _load(entry: PluginEntry) -> object:
     """Import one entry point through stevedore; import errors become a PluginError naming it."""
+    if entry.rivals:
+        raise PluginError(
+            f"{entry.group} name {entry.name!r} is registered by {entry.origin} and by {', '.join(entry.rivals)}; "
+            f"uninstall all but one of them"
+        )
     try:
         return driver.DriverManager(entry.group, entry.name, invoke_on_load=False).driver
     except Exception as exc:  # the plugin's own import failure, whatever it raised
@@ -76,6 +95,11 @@ def _load(entry: PluginEntry) -> object:
 def load_backend_class(name: str) -> type[Backend]:
     """Import backend ``name`` only, and check it. Raises BackendNotFound if it is not installed."""
     entry = _entry(BACKENDS_GROUP, name)
+    if entry is None and (hidden := _filtered_out(BACKENDS_GROUP, name)):
+        raise BackendNotFound(
+            f"backend {name!r} from {hidden.origin} is installed, but CHITU_PLUGINS={os.environ['CHITU_PLUGINS']} "
+            f"leaves it out; add {name} to CHITU_PLUGINS or unset it"
+        )
     if entry is None:
         installed = [e.name for e in entries(BACKENDS_GROUP)]
         hint = f" (CHITU_PLUGINS={os.environ['CHITU_PLUGINS']} excludes others)" if plugin_filter() else ""
@@ -120,6 +144,11 @@ def get_backend(device: str = "auto") -> Backend:
 def load_model_class(architecture: str) -> type:
     """The model class registered for an HF ``architectures`` name."""
     entry = _entry(MODELS_GROUP, architecture)
+    if entry is None and (hidden := _filtered_out(MODELS_GROUP, architecture)):
+        raise ModelLoadError(
+            f"architecture {architecture!r} from {hidden.origin} is installed, but "
+            f"CHITU_PLUGINS={os.environ['CHITU_PLUGINS']} leaves it out; add {architecture} to CHITU_PLUGINS or unset it"
+        )
     if entry is None:
         installed = ", ".join(e.name for e in entries(MODELS_GROUP)) or "none (pip install chitu-models)"
         raise ModelLoadError(f"architecture {architecture!r} is not supported by any installed model plugin; installed: {installed}")
@@ -155,8 +184,13 @@ def hook_registry() -> HookRegistry:
             continue
         loaded.append(entry)
     for impl in pm.hook.chitu_quant_methods.get_hookimpls():
-        for cls in impl.function() or []:
-            register_quant_method(cls, origin=impl.plugin_name)
+        try:
+            for cls in impl.function() or []:
+                register_quant_method(cls, origin=impl.plugin_name)
+        except Exception as exc:  # a plugin's own failure: refuse the plugin, keep the others
+            failures[impl.plugin_name] = f"chitu_quant_methods() failed: {type(exc).__name__}: {exc}"
+            pm.unregister(name=impl.plugin_name)
+            loaded = [e for e in loaded if e.name != impl.plugin_name]
     return HookRegistry(pm, loaded, failures)
 
 
@@ -169,7 +203,14 @@ def op_overrides(backend_name: str) -> dict[str, tuple[str, Callable]]:
     """op name -> (hook plugin name, fn) for ops hook plugins override on ``backend_name``."""
     out: dict[str, tuple[str, Callable]] = {}
     for impl in plugin_manager().hook.chitu_override_ops.get_hookimpls():  # registration order: the last registered wins
-        for op, fn in (impl.function(backend_name=backend_name) or {}).items():
+        try:
+            ops = impl.function(backend_name=backend_name) or {}
+        except Exception as exc:  # name the plugin rather than blame the backend
+            raise PluginError(
+                f"hook plugin {impl.plugin_name!r} failed in chitu_override_ops({backend_name!r}): "
+                f"{type(exc).__name__}: {exc}; uninstall it or leave it out with CHITU_PLUGINS"
+            ) from exc
+        for op, fn in ops.items():
             out[op] = (impl.plugin_name, fn)
     return out
 

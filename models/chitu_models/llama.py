@@ -92,10 +92,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config, ctx: BuildContext, **attn_opts):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.rotary = RotaryEmbedding(
-            head_dim(config), config.max_position_embeddings, rope_config(config), ctx,
-            partial_rotary_factor=getattr(config, "partial_rotary_factor", 1.0),
-        )
+        self.rotary = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_config(config), ctx)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.rotary, ctx, **attn_opts) for i in range(config.num_hidden_layers)
         )
@@ -136,6 +133,10 @@ class LlamaForCausalLM(CausalLM):
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return KVGeometry(config.num_hidden_layers, config.num_attention_heads // tp_size, max(1, n_kv // tp_size), head_dim(config))
 
+    @classmethod
+    def max_model_len(cls, config) -> int:
+        return rope_config(config).max_positions(config.max_position_embeddings)
+
     def forward(self, input_ids, positions, step):
         return self.model(input_ids, positions, step)
 
@@ -149,5 +150,5 @@ class MistralForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def max_model_len(cls, config) -> int:
-        window = getattr(config, "sliding_window", None)
-        return min(config.max_position_embeddings, window or config.max_position_embeddings)
+        full = super().max_model_len(config)
+        return min(full, getattr(config, "sliding_window", None) or full)

@@ -58,7 +58,8 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_after = probs.flip(-1).cumsum(-1).flip(-1) - probs  # mass of strictly better-ranked tokens
-    drop = mass_after >= top_p[:, None]
+    # p = 1 keeps everything, though the float sum may reach 1 before the last token.
+    drop = (mass_after >= top_p[:, None]) & (top_p[:, None] < 1)
     drop[:, -1] = False
     sorted_logits.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

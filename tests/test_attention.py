@@ -1,0 +1,157 @@
+"""Paged attention (the CPU backend's SDPA and the reference) against dense causal attention in float64.
+
+The oracle works from the raw per-sequence queries, keys and values, never from the cache. The
+cache is filled through ``forward`` itself: a first step writes every sequence's context (as
+prefills), a second step runs the mixed batch of prefills, decodes and chunked prefills. Blocks
+are handed out shuffled, tables are padded with ids of other blocks, and the cache starts as a
+sentinel value, so that reads or writes of the wrong slots show.
+"""
+
+import math
+
+import pytest
+import torch
+
+from chitu_core.attention.contract import AttentionMetadata
+from chitu_core.attention.reference import ReferenceAttention
+from chitu_cpu.attention import CpuSdpaAttention
+
+BACKENDS = {"sdpa": CpuSdpaAttention, "reference": ReferenceAttention}
+# (context_len, new tokens): prefills (no context), decodes (one new token), chunked prefills.
+BATCH = [(0, 23), (1, 1), (997, 1), (300, 37), (16, 16), (5, 1), (0, 1), (63, 9)]
+SENTINEL = -7.25  # a distinctive finite value, exact in bfloat16 and float32
+# float32: the contract's float32 accumulation. bfloat16: the output's rounding (2**-8 relative) plus,
+# in SDPA's flash kernel, probabilities rounded to bfloat16 before the product with V (up to 2**-9 of
+# max|v| absolute; about 2e-3 seen here).
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=4e-3)}
+CONFIGS = [  # (num_heads, num_kv_heads, head_dim, block_size, dtype): GQA ratios 1, 4, 8
+    (4, 4, 64, 16, torch.float32),
+    (8, 2, 128, 1, torch.float32),
+    (8, 1, 128, 16, torch.float32),
+    (8, 1, 64, 16, torch.bfloat16),
+    (4, 1, 64, 1, torch.bfloat16),
+    (2, 2, 128, 16, torch.bfloat16),
+]
+
+
+def allocate_blocks(lens: list[int], block_size: int, spare: int) -> tuple[torch.Tensor, int]:
+    """int32 block tables for sequences of ``lens`` tokens from a shuffled pool; padding holds other ids."""
+    needed = [-(-n // block_size) for n in lens]
+    num_blocks = sum(needed) + spare
+    pool = torch.randperm(num_blocks)
+    width = max(needed) + 2
+    tables = torch.randint(0, num_blocks, (len(lens), width))  # padding: ids that belong to others
+    start = 0
+    for row, n in zip(tables, needed):
+        row[:n] = pool[start : start + n]
+        start += n
+    return tables.to(torch.int32), num_blocks
+
+
+def metadata(tables: torch.Tensor, context_lens: list[int], query_lens: list[int],
+             block_size: int) -> AttentionMetadata:
+    """A step where sequence b has context_lens[b] cached tokens and query_lens[b] new ones."""
+    slots = []
+    for row, c, n in zip(tables.long(), context_lens, query_lens):
+        pos = torch.arange(c, c + n)
+        slots.append(row[pos // block_size] * block_size + pos % block_size)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        query_start_loc=qsl,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+
+
+def qkv_views(n: int, hq: int, hk: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q [n, hq, d], k and v [n, hk, d]: non-contiguous slices of one projection output, as models give them."""
+    qkv = torch.randn(n, hq + 2 * hk, d, dtype=torch.float64).to(dtype)
+    return qkv[:, :hq], qkv[:, hq : hq + hk], qkv[:, hq + hk :]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, scale: float) -> torch.Tensor:
+    """float64 causal attention of q (positions context..context+n-1) over k, v (positions 0..L-1)."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.double().repeat_interleave(group, dim=1)
+    values = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    visible = torch.arange(k.shape[0])[None, :] <= (context + torch.arange(q.shape[0]))[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+def run_step(attn, cache, tables, context_lens, query_lens, scale):
+    """One forward over every sequence's new tokens; returns (output, per-sequence (q, k, v))."""
+    meta = metadata(tables, context_lens, query_lens, attn.block_size)
+    meta.backend_state = attn.prepare(meta)
+    q, k, v = qkv_views(sum(query_lens), attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.dtype)
+    out = attn.forward(q, k, v, cache, meta, scale)
+    assert out.shape == q.shape and out.dtype == attn.dtype
+    return out, [(q[a:b], k[a:b], v[a:b]) for a, b in zip(meta.query_start_loc[:-1], meta.query_start_loc[1:])]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hq,hk,d,block_size,dtype", CONFIGS, ids=lambda v: str(v).removeprefix("torch."))
+def test_paged_attention_matches_dense_attention(backend, hq, hk, d, block_size, dtype):
+    attn = BACKENDS[backend](hq, hk, d, block_size, dtype, torch.device("cpu"))
+    scale = 1 / math.sqrt(d)
+    contexts, news = [c for c, _ in BATCH], [n for _, n in BATCH]
+    tables, num_blocks = allocate_blocks([c + n for c, n in BATCH], block_size, spare=3)
+    cache = attn.allocate_kv_cache(num_blocks)
+    assert cache.shape == attn.kv_cache_shape(num_blocks) and not cache.any()
+    cache.fill_(SENTINEL)
+
+    # Step 1: each sequence with a context prefills it (one call each: padding a batch to the
+    # longest context would cost more than the test's budget allows).
+    written = {}
+    for b, c in enumerate(contexts):
+        if c:
+            out, [(q, k, v)] = run_step(attn, cache, tables[b : b + 1], [0], [c], scale)
+            torch.testing.assert_close(out.double(), dense_attention(q, k, v, 0, scale), **TOL[dtype])
+            written[b] = (k, v)
+    # Step 2: the mixed batch, every sequence's new tokens after its context.
+    out, parts = run_step(attn, cache, tables, contexts, news, scale)
+    full_k, full_v = [], []
+    for b, (q, k, v) in enumerate(parts):
+        ctx_k, ctx_v = written.get(b, (k[:0], v[:0]))
+        full_k.append(torch.cat((ctx_k, k)))
+        full_v.append(torch.cat((ctx_v, v)))
+        want = dense_attention(q, full_k[b], full_v[b], contexts[b], scale)
+        got = out[sum(news[:b]) : sum(news[: b + 1])]
+        torch.testing.assert_close(got.double(), want, **TOL[dtype], msg=lambda m: f"sequence {b}: {m}")
+
+    # The cache holds exactly each sequence's keys and values at its slots, and the sentinel elsewhere.
+    expected = torch.full_like(cache, SENTINEL)
+    for b, (keys, values) in enumerate(zip(full_k, full_v)):
+        pos = torch.arange(keys.shape[0])
+        blocks, offsets = tables[b].long()[pos // block_size], pos % block_size
+        expected[0, blocks, offsets] = keys
+        expected[1, blocks, offsets] = values
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_steps_extend_the_same_sequences(backend):
+    """Several decode steps in a row: each token attends over everything written before it."""
+    hq, hk, d, block_size = 4, 2, 64, 16
+    attn = BACKENDS[backend](hq, hk, d, block_size, torch.float32, torch.device("cpu"))
+    scale = 1 / math.sqrt(d)
+    lens = [15, 1, 40]
+    tables, num_blocks = allocate_blocks([n + 4 for n in lens], block_size, spare=2)
+    cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+    _, parts = run_step(attn, cache, tables, [0, 0, 0], lens, scale)
+    ks, vs = [p[1] for p in parts], [p[2] for p in parts]
+    for step in range(4):
+        contexts = [n + step for n in lens]
+        out, new = run_step(attn, cache, tables, contexts, [1, 1, 1], scale)
+        for b, (q, k, v) in enumerate(new):
+            ks[b], vs[b] = torch.cat((ks[b], k)), torch.cat((vs[b], v))
+            want = dense_attention(q, ks[b], vs[b], contexts[b], scale)
+            torch.testing.assert_close(out[b : b + 1].double(), want, **TOL[torch.float32])

@@ -1,0 +1,207 @@
+"""The batched Sampler on the CPU backend's ops, and the counter-based noise it draws from.
+
+Exact checks: greedy rows are argmax, a seeded request samples the same token whatever batch it is
+in, excluded tokens never come out, logprobs are the raw logits' log-softmax. Statistical checks,
+on fixed seeds so they are deterministic: the noise is Exp(1) and its uniforms are uniform, and the
+sampled frequencies follow the softmax of the reference-filtered logits (chi-square and total
+variation with fixed bounds).
+"""
+
+import pytest
+import torch
+
+from chitu_core.ops import reference
+from chitu_core.plugins import backend_ops, get_backend
+from chitu_core.sampling import noise
+from chitu_core.sampling.noise import exponential_noise
+from chitu_core.sampling.params import SamplingParams
+from chitu_core.sampling.sampler import Sampler, SamplingBatch
+
+OPS = backend_ops(get_backend("cpu"))
+CPU = torch.device("cpu")
+sampler = Sampler(OPS)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], counters: list[int]):
+    return sampler(logits, SamplingBatch.build(params, seeds, counters, CPU))
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's chi-square test of counts against probabilities (support: expected_probs > 0)."""
+    n = counts.sum().double()
+    support = expected_probs > 0
+    expected = n * expected_probs[support]
+    chi2 = ((counts[support].double() - expected) ** 2 / expected).sum()
+    df = torch.tensor(float(support.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, chi2 / 2))
+
+
+# ----- the noise -----
+
+
+def test_noise_is_reproducible_and_depends_only_on_seed_and_counter():
+    seeds = torch.tensor([0, 7, 7, -3, 2**40 + 7, 2**62])
+    counters = torch.tensor([0, 0, 1, 5, 0, 9])
+    a = exponential_noise(seeds, counters, 1000)
+    assert a.dtype == torch.float32 and a.shape == (6, 1000)
+    assert torch.equal(a, exponential_noise(seeds, counters, 1000))
+    for i in range(6):  # each row alone, and inside another batch at another position
+        assert torch.equal(a[i : i + 1], exponential_noise(seeds[i : i + 1], counters[i : i + 1], 1000))
+        other = torch.stack((seeds.flip(0), counters.flip(0)))
+        assert torch.equal(a[i], exponential_noise(other[0], other[1], 1000)[5 - i])
+    assert torch.equal(a[:, :10], exponential_noise(seeds, counters, 10))  # token i's draw ignores the vocab size
+    # Seeds differ (in their high bits too), counters differ: no two rows agree.
+    distinct = {tuple(row[:8].tolist()) for row in a}
+    assert len(distinct) == 6
+
+
+def test_noise_is_exponential_with_uniform_uniforms():
+    b, vocab = 128, 1 << 16  # 8.4M draws
+    seeds = torch.arange(b) * 7919 + 11
+    counters = torch.arange(b) % 13
+    e = exponential_noise(seeds, counters, vocab).double()
+    n = e.numel()
+    assert torch.isfinite(e).all() and (e > 0).all()
+    # Mean and variance of Exp(1) are 1; their standard errors here are 3.5e-4 and 1e-3.
+    assert abs(float(e.mean()) - 1.0) < 2e-3
+    assert abs(float(e.var()) - 1.0) < 6e-3
+    u = torch.exp(-e)
+    counts = torch.histc(u, bins=256, min=0.0, max=1.0)
+    assert chi_square_p_value(counts, torch.full((256,), 1 / 256, dtype=torch.float64)) > 1e-4
+    assert float((counts - n / 256).abs().max()) < 6 * (n / 256) ** 0.5
+
+
+@pytest.mark.parametrize("bits", [0, 0xFFFFFFFF])
+def test_noise_at_the_extreme_hash_values_is_positive_and_finite(monkeypatch, bits):
+    """The largest and smallest hash outputs map to uniforms strictly inside (0, 1)."""
+    monkeypatch.setattr(noise, "_fmix32", lambda x: torch.full_like(x, bits))
+    e = exponential_noise(torch.tensor([1]), torch.tensor([0]), 4)
+    assert torch.isfinite(e).all() and (e > 0).all()
+
+
+# ----- the sampler -----
+
+
+def test_greedy_rows_are_argmax():
+    logits = torch.randn(6, 300) * 3
+    params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.3), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=3),
+              SamplingParams(temperature=0.0, seed=3), SamplingParams(temperature=1.2, min_p=0.1)]
+    out = sample(logits, params, [1, 2, 3, 4, 5, 6], [0, 0, 4, 2, 9, 1])
+    assert out.tokens.dtype == torch.int64 and out.logprobs is None
+    greedy = [0, 2, 4]
+    assert torch.equal(out.tokens[greedy], logits[greedy].argmax(-1))
+    all_greedy = sample(logits, [SamplingParams(temperature=0.0)] * 6, [0] * 6, [0] * 6)
+    assert torch.equal(all_greedy.tokens, logits.argmax(-1))
+
+
+REQUESTS = {  # name: (params, seed, counter); each request has its own logits row
+    "plain": (SamplingParams(temperature=1.0), 7, 3),
+    "next-step": (SamplingParams(temperature=1.0), 7, 4),
+    "greedy": (SamplingParams(temperature=0.0), 1, 0),
+    "top-k": (SamplingParams(temperature=0.8, top_k=5), 123, 0),
+    "top-p": (SamplingParams(temperature=1.5, top_p=0.6), 9, 11),
+    "min-p": (SamplingParams(temperature=1.0, min_p=0.05), 2**45 + 1, 2),
+    "all": (SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.01), 42, 1),
+}
+
+
+def sample_requests(names: list[str], logits: dict[str, torch.Tensor]) -> dict[str, int]:
+    params, seeds, counters = zip(*(REQUESTS[n] for n in names))
+    out = sample(torch.stack([logits[n] for n in names]), list(params), list(seeds), list(counters))
+    return dict(zip(names, out.tokens.tolist()))
+
+
+def test_seeded_rows_sample_the_same_token_in_any_batch():
+    logits = {name: torch.randn(64) for name in REQUESTS}
+    batches = [list(REQUESTS), ["all", "plain"], ["plain"], ["min-p", "next-step", "top-k", "plain", "greedy"],
+               ["top-p", "top-p", "all"], list(reversed(REQUESTS)), ["greedy", "next-step"]]
+    alone = {name: sample_requests([name], logits)[name] for name in REQUESTS}
+    for names in batches:
+        assert sample_requests(names, logits) == {n: alone[n] for n in names}, names
+
+
+def test_the_token_depends_on_seed_and_counter():
+    logits = torch.zeros(1, 64)  # uniform: every draw is the noise's argmin
+    params = [SamplingParams(temperature=1.0)]
+    by_seed = {sample(logits, params, [s], [0]).tokens.item() for s in range(40)}
+    by_counter = {sample(logits, params, [5], [c]).tokens.item() for c in range(40)}
+    assert len(by_seed) > 20 and len(by_counter) > 20
+
+
+STAT_PARAMS = [
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.7),
+    SamplingParams(temperature=0.6, min_p=0.2),
+    SamplingParams(temperature=0.9, top_k=8, top_p=0.85, min_p=0.05),
+]
+
+
+def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """float64 [V]: the softmax of the logits filtered by the reference ops."""
+    x = reference.apply_temperature(logits[None], torch.tensor([p.temperature]))
+    x = reference.apply_top_k_top_p(x, torch.tensor([p.top_k]), torch.tensor([p.top_p]))
+    x = reference.apply_min_p(x, torch.tensor([p.min_p]))
+    return x[0].double().softmax(-1)
+
+
+# Spread so that every filter above keeps several tokens and drops several.
+STAT_LOGITS = torch.tensor([2.0, 1.6, 1.5, 1.1, 0.8, 0.5, 0.2, 0.0, -0.3, -0.7, -1.2, -2.0])
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution():
+    vocab, draws = len(STAT_LOGITS), 20000
+    logits = torch.stack([STAT_LOGITS[torch.randperm(vocab)] for _ in STAT_PARAMS])
+    params = [p for p in STAT_PARAMS for _ in range(draws)]
+    i = torch.arange(draws)
+    seeds = (i % 200 * 1009 + 17).tolist() * len(STAT_PARAMS)  # 200 seeds x 100 counters each
+    counters = (i // 200).tolist() * len(STAT_PARAMS)
+    tokens = sample(logits.repeat_interleave(draws, 0), params, seeds, counters).tokens.view(len(STAT_PARAMS), draws)
+    for row, p in enumerate(STAT_PARAMS):
+        want = reference_probs(logits[row], p)
+        counts = torch.bincount(tokens[row], minlength=vocab)
+        assert 3 <= int((want > 0).sum()) <= vocab - (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) * 3
+        assert (counts[want == 0] == 0).all(), f"{p}: sampled an excluded token"
+        assert chi_square_p_value(counts, want) > 1e-4, (p, counts.tolist(), (want * draws).tolist())
+        assert 0.5 * float((counts / draws - want).abs().sum()) < 0.02, p
+
+
+def test_a_temperature_change_is_detected():
+    """The statistical test has power: frequencies at temperature 1.0 fail against temperature 0.8."""
+    vocab, draws = len(STAT_LOGITS), 20000
+    logits = STAT_LOGITS[None]
+    tokens = sample(logits.expand(draws, -1), [SamplingParams(temperature=1.0)] * draws,
+                    list(range(draws)), [0] * draws).tokens
+    counts = torch.bincount(tokens, minlength=vocab)
+    assert chi_square_p_value(counts, reference_probs(logits[0], SamplingParams(temperature=1.0))) > 1e-4
+    assert chi_square_p_value(counts, reference_probs(logits[0], SamplingParams(temperature=0.8))) < 1e-6
+
+
+def test_excluded_tokens_are_never_sampled_in_a_large_vocabulary():
+    vocab, rows = 1 << 16, 48
+    logits = torch.randn(rows, vocab) * 2
+    seeds = [642] + list(range(rows - 1))  # seed 642, counter 0 hit a 0.0 draw under the old 24-bit noise
+    out = sample(logits, [SamplingParams(temperature=1.0, top_k=3)] * rows, seeds, [0] * rows)
+    top3 = logits.topk(3, dim=-1).indices
+    assert (out.tokens[:, None] == top3).any(-1).all()
+    out = sample(logits, [SamplingParams(temperature=1.0, top_k=1)] * rows, seeds, [0] * rows)
+    assert torch.equal(out.tokens, logits.argmax(-1))
+
+
+def test_logprobs_are_the_raw_log_softmax_and_top_ids_the_true_top_k():
+    logits = torch.randn(4, 500) * 4
+    params = [SamplingParams(temperature=0.5, top_k=10, logprobs=5), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, min_p=0.1, logprobs=0)]
+    out = sample(logits, params, [1, 2, 3, 4], [0, 0, 0, 0])
+    want = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(out.logprobs.double(), want.gather(1, out.tokens[:, None])[:, 0], rtol=1e-6, atol=1e-5)
+    assert out.top_ids.shape == (4, 5) and out.top_logprobs.shape == (4, 5)
+    assert torch.equal(out.top_ids, want.topk(5, dim=-1).indices)
+    torch.testing.assert_close(out.top_logprobs.double(), want.topk(5, dim=-1).values, rtol=1e-6, atol=1e-5)
+    assert out.tokens[1] == out.top_ids[1, 0]  # the greedy row took the most probable token
+
+    none = sample(logits, [SamplingParams(temperature=0.7)] * 4, [1, 2, 3, 4], [0] * 4)
+    assert none.logprobs is none.top_ids is none.top_logprobs is None
+    zero = sample(logits, [SamplingParams(temperature=0.7, logprobs=0)] * 4, [1, 2, 3, 4], [0] * 4)
+    assert zero.top_ids.shape == (4, 0) and zero.logprobs.shape == (4,)
