@@ -47,8 +47,8 @@ class CausalLM(nn.Module):
         """The attention shape of this config on one of ``tp_size`` ranks."""
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """input_ids, positions: int64 [T] (the step's packed tokens) -> hidden states [T, H]."""
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """token_ids, positions: int64 [T] (the step's packed tokens) -> hidden states [T, H]."""
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

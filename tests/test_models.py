@@ -33,9 +33,9 @@ def batched_last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     seqs = [engine.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
     batch = engine.scheduler.schedule()
     assert batch.seqs == seqs
-    input_ids, positions, meta = engine.runner.prepare(batch)
+    token_ids, positions, meta = engine.runner.prepare(batch)
     with torch.inference_mode():
-        hidden = engine.model(input_ids, positions, StepContext(meta, engine.runner.kv_caches))
+        hidden = engine.model(token_ids, positions, StepContext(meta, engine.runner.kv_caches))
         last = meta.query_start_loc[1:].long() - 1
         logits = engine.model.compute_logits(hidden[last])
     for seq in seqs:

@@ -30,7 +30,7 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """input_ids and positions [T], and the step's attention metadata, built vectorized."""
+        """token_ids and positions [T], and the step's attention metadata, built vectorized."""
         seqs, query_lens = batch.seqs, batch.num_new_tokens
         ids: list[int] = []
         for seq, n in zip(seqs, query_lens):
@@ -57,15 +57,15 @@ class ModelRunner:
             block_size=self.block_size,
         )
         meta.backend_state = self.attention.prepare(meta)
-        input_ids = self._to_device(ids, torch.int64)
-        return input_ids, positions.to(self.device, non_blocking=True), meta
+        token_ids = self._to_device(ids, torch.int64)
+        return token_ids, positions.to(self.device, non_blocking=True), meta
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[StepResult | None]:
         """One forward and sample. Returns, per scheduled sequence, its new token or None if it
         has not reached its last token yet (a partial prefill)."""
-        input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model(input_ids, positions, StepContext(meta, self.kv_caches))
+        token_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches))
         ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
         sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens]
         if not sampling:

@@ -19,14 +19,14 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, ctx: BuildContext):
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: BuildContext):
         super().__init__()
         self.ops, self.comm = ctx.ops, ctx.comm
         self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
         self.quant = ctx.new_quant_method()
-        self.quant.create_weights(self, input_size, output_size, ctx.dtype, ctx.device)
+        self.quant.create_weights(self, in_features, out_features, ctx.dtype, ctx.device)
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
@@ -37,9 +37,9 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank returns its slice."""
 
-    def __init__(self, input_size: int, output_size: int, ctx: BuildContext, bias: bool = False):
-        self.local_out = _divide(output_size, ctx.tp_size, "output_size")
-        super().__init__(input_size, self.local_out, bias, ctx)
+    def __init__(self, in_features: int, out_features: int, ctx: BuildContext, bias: bool = False):
+        self.local_out = _divide(out_features, ctx.tp_size, "out_features")
+        super().__init__(in_features, self.local_out, bias, ctx)
         for p in self.parameters():
             set_loader(p, self.load_shard)
 
@@ -51,11 +51,11 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(LinearBase):
     """Several column-split linears on the same input stored as one (e.g. gate and up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], ctx: BuildContext, bias: bool = False):
-        self.local_sizes = [_divide(n, ctx.tp_size, "output_size") for n in output_sizes]
-        super().__init__(input_size, sum(self.local_sizes), bias, ctx)
+    def __init__(self, in_features: int, out_features_list: list[int], ctx: BuildContext, bias: bool = False):
+        self.local_sizes = [_divide(n, ctx.tp_size, "out_features") for n in out_features_list]
+        super().__init__(in_features, sum(self.local_sizes), bias, ctx)
         for p in self.parameters():
-            set_loader(p, self.load_shard, tuple(range(len(output_sizes))))
+            set_loader(p, self.load_shard, tuple(range(len(out_features_list))))
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         n = self.local_sizes[shard_id]
@@ -90,9 +90,9 @@ class QKVParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products are summed with an all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int, ctx: BuildContext, bias: bool = False):
-        self.local_in = _divide(input_size, ctx.tp_size, "input_size")
-        super().__init__(self.local_in, output_size, bias, ctx)
+    def __init__(self, in_features: int, out_features: int, ctx: BuildContext, bias: bool = False):
+        self.local_in = _divide(in_features, ctx.tp_size, "in_features")
+        super().__init__(self.local_in, out_features, bias, ctx)
         set_loader(self.weight, self.load_weight)
         if self.bias is not None:
             set_loader(self.bias, self.load_bias)

@@ -21,16 +21,16 @@ class QuantMethod(ABC):
 
     @abstractmethod
     def create_weights(
-        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype, device: torch.device
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """Register the layer's parameters for a [output_size, input_size] (this rank's shard) weight."""
+        """Register the layer's parameters for a [out_features, in_features] (this rank's shard) weight."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Load-time transform (repacking, scale folding) once every shard is loaded."""
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, ops: Ops) -> torch.Tensor:
-        """x: [..., input_size] -> [..., output_size]."""
+        """x: [..., in_features] -> [..., out_features]."""
 
 
 class UnquantizedMethod(QuantMethod):
@@ -39,8 +39,8 @@ class UnquantizedMethod(QuantMethod):
     name = "unquantized"
     kernels = ("linear",)
 
-    def create_weights(self, layer, input_size, output_size, dtype, device):
-        weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype, device=device), requires_grad=False)
+    def create_weights(self, layer, in_features, out_features, dtype, device):
+        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias, ops):

@@ -98,8 +98,8 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
-    def forward(self, input_ids, positions, step):
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, token_ids, positions, step):
+        hidden, residual = self.embed_tokens(token_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, step)
         return self.norm(hidden, residual)[0]
@@ -137,8 +137,8 @@ class LlamaForCausalLM(CausalLM):
     def max_model_len(cls, config) -> int:
         return rope_config(config).max_positions(config.max_position_embeddings)
 
-    def forward(self, input_ids, positions, step):
-        return self.model(input_ids, positions, step)
+    def forward(self, token_ids, positions, step):
+        return self.model(token_ids, positions, step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
