@@ -22,3 +22,4 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="seeds the per-request seeds of requests that set none")
     num_threads: int | None = Field(None, ge=1, description="host threads, for backends that use them")
     load_progress: bool = Field(True, description="show a progress bar while loading weights")
+    profile_steps: bool = Field(False, description="time every step and its forward (adds a device sync per step)")

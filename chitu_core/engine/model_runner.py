@@ -1,6 +1,7 @@
 """The model runner: builds a step's inputs once, runs the model through the paged KV cache,
 samples on the device and brings the results to the host in one copy."""
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +22,13 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, attention: AttentionBackend, kv_caches: list[torch.Tensor], sampler: Sampler, device: torch.device):
+    def __init__(self, model, attention: AttentionBackend, kv_caches: list[torch.Tensor], sampler: Sampler,
+                 device: torch.device, synchronize=None):
         self.model, self.attention, self.kv_caches = model, attention, kv_caches
         self.sampler, self.device = sampler, device
         self.block_size = attention.block_size
+        self.synchronize = synchronize  # when set (profiling), called after the forward to time it
+        self.last_forward_seconds = 0.0
 
     def _to_device(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -65,6 +69,7 @@ class ModelRunner:
         """One forward and sample. Returns, per scheduled sequence, its new token or None if it
         has not reached its last token yet (a partial prefill)."""
         token_ids, positions, meta = self.prepare(batch)
+        start = time.perf_counter()
         hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches))
         ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
         sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens]
@@ -72,6 +77,9 @@ class ModelRunner:
             return [None] * len(batch.seqs)
         last_rows = torch.tensor(batch.num_new_tokens).cumsum(0)[sampling] - 1
         logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
+        if self.synchronize is not None:
+            self.synchronize()
+            self.last_forward_seconds = time.perf_counter() - start
         seqs = [batch.seqs[i] for i in sampling]
         sbatch = SamplingBatch.build(
             [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs], self.device
