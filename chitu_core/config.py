@@ -18,6 +18,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1, description="most sequences in one step")
     max_num_batched_tokens: int = Field(8192, ge=1, description="most new tokens in one step")
     kv_cache_memory: int | None = Field(None, ge=1, description="bytes for the KV cache (default: the backend's budget)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")
     seed: int = Field(0, description="seeds the per-request seeds of requests that set none")
     num_threads: int | None = Field(None, ge=1, description="host threads, for backends that use them")

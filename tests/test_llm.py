@@ -136,3 +136,39 @@ def test_bfloat16_runs_close_to_float32(model_dir):
     shared = set(top_f32) & set(bf16.logprobs[0])
     assert len(shared) >= 3
     assert max(abs(top_f32[t] - bf16.logprobs[0][t]) for t in shared) < 0.15
+
+
+def test_stop_strings_are_cut_and_reported(llm):
+    free = llm.generate("The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    assert len(text) >= 6
+    stop = text[3:6]  # a stop string that first completes inside the output
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    cut = text.index(stop)
+    assert out.text == text[:cut] and stop not in out.text
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == free.token_ids[: len(out.token_ids)] and len(out.token_ids) < 24
+    assert all_blocks_free(llm)
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(llm):
+    base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    free = llm.generate({"prompt_token_ids": [3, 4, 5]}, base)[0].outputs[0].token_ids
+    stop_token = free[1]
+    early = llm.generate({"prompt_token_ids": [3, 4, 5]}, base.model_copy(update={"stop_token_ids": [stop_token]}))[0].outputs[0]
+    assert early.token_ids == free[: free.index(stop_token) + 1] and early.stop_reason == stop_token
+    late = llm.generate({"prompt_token_ids": [3, 4, 5]},
+                        base.model_copy(update={"stop_token_ids": [stop_token], "min_tokens": 6}))[0].outputs[0]
+    assert stop_token not in late.token_ids[:6] and len(late.token_ids) >= 6
+    if late.finish_reason == "stop":
+        assert late.token_ids[-1] == stop_token and stop_token not in late.token_ids[:-1]
+    else:
+        assert late.finish_reason == "length" and len(late.token_ids) == 30
+
+
+def test_penalties_change_greedy_choices(llm):
+    base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = llm.generate({"prompt_token_ids": [7, 7, 7]}, base)[0].outputs[0].token_ids
+    penalized = llm.generate({"prompt_token_ids": [7, 7, 7]}, base.model_copy(update={"frequency_penalty": 2.0}))[0].outputs[0].token_ids
+    assert penalized != plain
+    assert max(penalized.count(t) for t in set(penalized)) <= max(plain.count(t) for t in set(plain))

@@ -30,7 +30,8 @@ def pair(request, tmp_path_factory):
 def batched_last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     """Our last-token logits of each prompt, from one paged prefill step over all of them."""
     engine = llm.engine
-    seqs = [engine.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
+    requests = [engine.add_request(f"logits-{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)]
+    seqs = [r.seqs[0] for r in requests]
     batch = engine.scheduler.schedule()
     assert batch.seqs == seqs
     token_ids, positions, meta = engine.runner.prepare(batch)
@@ -38,8 +39,8 @@ def batched_last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
         hidden = engine.model(token_ids, positions, StepContext(meta, engine.runner.kv_caches))
         last = meta.query_start_loc[1:].long() - 1
         logits = engine.model.compute_logits(hidden[last])
-    for seq in seqs:
-        engine.scheduler.finish(seq, "abort")
+    for r in requests:
+        engine.abort_request(r.request_id)
     return logits
 
 

@@ -180,6 +180,22 @@ def apply_min_p_cases(dtype):
     yield (randn(1, 1), torch.tensor([0.5])), {}, torch.float32
 
 
+def apply_penalties_cases(dtype):
+    b, vocab = 6, 101
+    logits = randn(b, vocab, scale=3.0)
+    logits[:, ::17] = NINF  # banned tokens stay banned
+    prompt_mask = torch.rand(b, vocab) < 0.3
+    counts = torch.randint(1, 5, (b, vocab)) * (torch.rand(b, vocab) < 0.4)
+    repetition = torch.tensor([1.0, 1.3, 0.7, 2.0, 1.0, 1.1])  # row 4: no penalty at all
+    frequency = torch.tensor([0.0, 0.5, -0.4, 2.0, 0.0, -2.0])
+    presence = torch.tensor([0.0, 0.0, 1.5, -2.0, 0.0, 0.3])
+    for count_dtype, layout in [(torch.int32, strided), (torch.int64, transposed)]:
+        yield (transposed(logits), strided(prompt_mask), layout(counts.to(count_dtype)), strided(repetition),
+               frequency, strided(presence)), {}, torch.float32
+    yield (randn(1, 1), torch.tensor([[True]]), torch.tensor([[2]]), torch.tensor([1.5]), torch.tensor([0.5]),
+           torch.tensor([0.25])), {}, torch.float32
+
+
 def random_sample_cases(dtype):
     for b, v in [(1, 1), (8, 257)]:
         probs = transposed(randn(b, v, scale=2.0).softmax(-1))
@@ -193,7 +209,7 @@ def log_softmax_cases(dtype):
 
 
 CASES = {name: globals()[f"{name}_cases"] for name in OP_NAMES if f"{name}_cases" in globals()}
-FLOAT32_ONLY = {"apply_top_k_top_p", "apply_min_p", "random_sample"}  # the contract takes float32 there
+FLOAT32_ONLY = {"apply_top_k_top_p", "apply_min_p", "apply_penalties", "random_sample"}  # the contract takes float32 there
 
 
 def test_every_op_has_a_case():
@@ -362,6 +378,42 @@ def test_min_p_removes_tokens_below_a_fraction_of_the_top_probability():
     assert kept(got)[0] == list(range(80))
     extreme = torch.tensor([[0.0, -200.0, -1e4]])  # probabilities that underflow are kept when min_p = 0
     assert torch.equal(OPS.apply_min_p(extreme, torch.tensor([0.0])), extreme)
+
+
+def test_apply_penalties_on_a_hand_computed_example():
+    logits = torch.tensor([[2.0, -1.0, 0.0, 3.0, -4.0, 1.0], [2.0, -1.0, NINF, 3.0, -4.0, 1.0]])
+    prompt_mask = torch.tensor([[True, True, True, False, False, False]] * 2)
+    counts = torch.tensor([[0, 0, 2, 1, 3, 0]] * 2, dtype=torch.int32)
+    # Row 0: repetition 2 divides positive / multiplies negative seen logits, then - 0.5 * count - 0.25.
+    # Row 1: repetition 0.5 encourages, frequency -1 rewards each occurrence, no presence term.
+    want = torch.tensor([[1.0, -2.0, 0.0 * 2 - 0.5 * 2 - 0.25, 3.0 / 2 - 0.5 - 0.25, -4.0 * 2 - 1.5 - 0.25, 1.0],
+                         [4.0, -0.5, NINF, 3.0 / 0.5 + 1.0, -4.0 * 0.5 + 3.0, 1.0]])
+    assert want[0].tolist() == [1.0, -2.0, -1.25, 0.75, -9.75, 1.0]
+    args = (torch.tensor([2.0, 0.5]), torch.tensor([0.5, -1.0]), torch.tensor([0.25, 0.0]))
+    for ops in (OPS, reference):
+        for c in (counts, counts.long()):
+            got = ops.apply_penalties(logits, prompt_mask, c, *args)
+            assert got.dtype == torch.float32 and torch.equal(got, want), (ops, got)
+
+
+def test_neutral_penalties_leave_logits_exactly_unchanged():
+    b, vocab = 8, 1000
+    logits = randn(b, vocab, scale=5.0)
+    logits[:, ::7] = NINF
+    prompt_mask = torch.rand(b, vocab) < 0.5
+    counts = torch.randint(0, 50, (b, vocab))
+    repetition, frequency, presence = torch.ones(b), torch.zeros(b), torch.zeros(b)
+    for ops in (OPS, reference):
+        assert torch.equal(ops.apply_penalties(logits, prompt_mask, counts, repetition, frequency, presence), logits)
+    # Neutral rows stay exact beside penalized ones; a penalized row changes only where a token was seen.
+    repetition[3], frequency[5], presence[6] = 1.7, 0.3, -0.8
+    got = OPS.apply_penalties(logits, prompt_mask, counts, repetition, frequency, presence)
+    neutral = [0, 1, 2, 4, 7]
+    assert torch.equal(got[neutral], logits[neutral])
+    seen = prompt_mask | (counts > 0)
+    assert torch.equal(got[3][~seen[3]], logits[3][~seen[3]]) and not torch.equal(got[3], logits[3])
+    assert torch.equal(got[5][counts[5] == 0], logits[5][counts[5] == 0])
+    assert torch.equal(got[6], torch.where(counts[6] > 0, logits[6] + 0.8, logits[6]))
 
 
 def test_random_sample_is_argmax_of_probs_over_exponentials():

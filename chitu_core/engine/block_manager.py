@@ -1,20 +1,87 @@
-"""The block manager: hands out KV-cache block ids. What a block holds is the attention backend's business."""
+"""The block manager: KV-cache block ids, reference counts and the prefix cache.
 
-from collections import deque
+What a block holds is the attention backend's business; here a block is an id,
+a reference count and, once full, the hash of its tokens chained to the hash of
+the block before it (so equal hashes mean equal prefixes). Full blocks stay in
+the prefix cache after their sequences finish, until their slot is needed:
+blocks with no references wait in a free queue, least recently released first,
+and a block taken from there is evicted from the cache. A sequence's blocks are
+released tail first, so a prefix outlives its own continuations.
+
+Counts of prefix-cache lookups are kept in tokens: ``prefix_queries`` tokens
+looked up, ``prefix_hits`` of them found.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from chitu_core.engine.sequence import Sequence
 
 
-class BlockManager:
-    """A pool of ``num_blocks`` blocks of ``block_size`` token slots each; lowest ids go out first."""
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
 
-    def __init__(self, num_blocks: int, block_size: int):
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.prefix_queries = self.prefix_hits = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        """Blocks with no reference (some may still hold cached prefixes, evictable on demand)."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks referenced by live sequences."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def block_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Chained hashes of the full blocks among ``seq``'s first ``num_tokens`` tokens (memoized on seq)."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_tokens // bs:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(seq.tokens(i * bs, (i + 1) * bs)))))
+        return hashes[: num_tokens // bs]
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence that holds no blocks the cached blocks of its longest cached prefix.
+
+        At least one token is always left to compute (its logits are needed). Sets
+        ``seq.num_computed_tokens`` and returns the number of tokens found."""
+        assert not seq.block_table, "match_prefix is for sequences that hold no blocks"
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = self.block_hashes(seq, seq.num_tokens - 1)
+        self.prefix_queries += seq.num_tokens
+        for h in hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        found = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = found
+        self.prefix_hits += found
+        return found
+
+    def unmatch(self, seq: Sequence) -> None:
+        """Undo ``match_prefix`` for a sequence that could not be admitted after all."""
+        found = len(seq.block_table) * self.block_size
+        self.prefix_queries -= seq.num_tokens
+        self.prefix_hits -= found
+        self.free(seq)
+        seq.num_computed_tokens = 0
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks ``seq`` needs to hold ``num_tokens`` tokens in all."""
@@ -28,9 +95,45 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > self.num_free:
             raise RuntimeError(f"sequence {seq.seq_id} needs {need} KV blocks, {self.num_free} are free")
-        seq.block_table.extend(self.free_blocks.popleft() for _ in range(need))
+        for _ in range(need):
+            block_id = next(iter(self.free_queue))
+            self._take(block_id)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict the prefix this block held
+                del self.cached[block.hash]
+                block.hash = None
+            seq.block_table.append(block_id)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Enter ``seq``'s computed full blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes(seq, seq.num_computed_tokens)
+        for i in range(seq.num_cached_blocks, len(hashes)):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and hashes[i] not in self.cached:
+                block.hash = hashes[i]
+                self.cached[hashes[i]] = block.block_id
+        seq.num_cached_blocks = len(hashes)
 
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s blocks."""
-        self.free_blocks.extend(seq.block_table)
+        """Drop ``seq``'s references, tail first; it holds no blocks afterwards."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
         seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their data)."""
+        for block in self.blocks:
+            block.hash = None
+        self.cached.clear()

@@ -1,8 +1,14 @@
-"""LLMEngine: loads a model onto a backend, owns the KV cache, and steps requests to completion."""
+"""LLMEngine: loads a model onto a backend, owns the KV cache, and steps requests to completion.
+
+It is driven by ``LLM`` in-process and by ``AsyncLLM`` from a thread of its own;
+either way its whole interface is add_request / abort_request / step.
+"""
 
 import itertools
 import logging
 import random
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -10,9 +16,11 @@ from chitu_core.attention.reference import ReferenceAttention
 from chitu_core.config import EngineConfig
 from chitu_core.distributed.communicator import Communicator
 from chitu_core.engine.block_manager import BlockManager
-from chitu_core.engine.model_runner import ModelRunner
+from chitu_core.engine.detokenizer import IncrementalDetokenizer
+from chitu_core.engine.model_runner import ModelRunner, StepResult
+from chitu_core.engine.outputs import CompletionOutput, RequestOutput
 from chitu_core.engine.scheduler import Scheduler
-from chitu_core.engine.sequence import Sequence
+from chitu_core.engine.sequence import Request, Sequence
 from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext
 from chitu_core.loader.hf import open_model_dir
@@ -31,6 +39,25 @@ def _resolve_dtype(requested: str, checkpoint: torch.dtype | None, supported: tu
             raise ChituError(f"backend {backend!r} does not support dtype {requested}; it supports {names}")
         return dtype
     return checkpoint if checkpoint in supported else supported[0]
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started, and the state now."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model (prefix-cache hits excluded)
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class LLMEngine:
@@ -56,8 +83,27 @@ class LLMEngine:
         self.model.eval()
 
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
+        num_blocks = self._num_blocks(geometry.num_layers, block_size)
+        kv_caches = [self.attention.allocate_kv_cache(num_blocks) for _ in range(geometry.num_layers)]
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.tokenizer = model_dir.tokenizer()
+        self.eos_token_ids = self._eos_ids(model_dir, hf_config)
+        self.vocab_size = hf_config.vocab_size
+        sync = self.backend.synchronize if config.profile_steps else None
+        self.runner = ModelRunner(self.model, self.attention, kv_caches, Sampler(self.ops), self.device,
+                                  self.vocab_size, self.eos_token_ids, sync)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        log.info("loaded %s on %s (%s), %d KV blocks of %d tokens", model_dir.architecture, self.backend.name, self.dtype, num_blocks, block_size)
+
+    def _num_blocks(self, num_layers: int, block_size: int) -> int:
+        config = self.config
         budget = config.kv_cache_memory or self.backend.kv_cache_budget()
-        per_block = self.attention.bytes_per_block() * geometry.num_layers
+        per_block = self.attention.bytes_per_block() * num_layers
         # Never more than the configured limits can use: max_num_seqs sequences of max_model_len.
         useful = config.max_num_seqs * -(-self.max_model_len // block_size)
         num_blocks = min(budget // per_block, useful)
@@ -71,16 +117,7 @@ class LLMEngine:
                 )
             log.warning("capping max_model_len at %d tokens, what the KV cache holds", num_blocks * block_size)
             self.max_model_len = num_blocks * block_size
-        kv_caches = [self.attention.allocate_kv_cache(num_blocks) for _ in range(geometry.num_layers)]
-        self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.attention, kv_caches, Sampler(self.ops), self.device)
-        self.tokenizer = model_dir.tokenizer()
-        self.eos_token_ids = self._eos_ids(model_dir, hf_config)
-        self.vocab_size = hf_config.vocab_size
-        self._ids = itertools.count()
-        self._seed_rng = random.Random(config.seed)
-        log.info("loaded %s on %s (%s), %d KV blocks of %d tokens", model_dir.architecture, self.backend.name, self.dtype, num_blocks, block_size)
+        return num_blocks
 
     def _eos_ids(self, model_dir, hf_config) -> set[int]:
         ids = getattr(hf_config, "eos_token_id", None)
@@ -94,7 +131,13 @@ class LLMEngine:
             ids = self.tokenizer.eos_token_id
         return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
+    # --- the interface ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, priority: int = 0) -> Request:
+        """Queue a request (its n samples). Raises ValueError, saying why, for a request that can never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -105,40 +148,134 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens and max_tokens={params.max_tokens}: together "
                 f"{len(prompt_token_ids) + params.max_tokens}, more than max_model_len={self.max_model_len}"
             )
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(next(self._ids), list(prompt_token_ids), params, seed, prompt)
-        self.scheduler.add(seq)
-        return seq
+        request = Request(request_id, prompt, list(prompt_token_ids), params, priority, next(self._arrivals))
+        request.metrics.num_prompt_tokens = len(prompt_token_ids)
+        base_seed = params.seed if params.seed is not None else None
+        for i in range(params.n):
+            if base_seed is None:
+                seed = self._seed_rng.getrandbits(63)
+            else:
+                seed = base_seed if i == 0 else hash((base_seed, i)) & ((1 << 63) - 1)
+            seq = Sequence(next(self._seq_ids), request, i, seed)
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                         params.skip_special_tokens, params.stop)
+            request.seqs.append(seq)
+        for seq in request.seqs:
+            self.scheduler.add(seq)  # validates the size; the first failure leaves nothing queued
+        self.requests[request_id] = request
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. Returns False if it is unknown or already done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        request.metrics.finished_time = time.monotonic()
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that finished in it."""
+    def step(self) -> list[RequestOutput]:
+        """Run one step. Returns a delta RequestOutput for each request that progressed;
+        finished requests leave the engine (read them whole with ``final_output`` first)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            raise ChituError("no request could be scheduled: the KV cache is too small for the waiting requests")
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise ChituError("no request could be scheduled: the KV cache is too small for the waiting requests")
+            return []
+        now = time.monotonic()
         results = self.runner.run(batch)
-        finished = []
+        self.stats.num_steps += 1
+        progressed: dict[str, dict[int, CompletionOutput]] = {}
         for seq, n, result in zip(batch.seqs, batch.num_new_tokens, results):
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            prompt_part = max(0, min(n, len(seq.prompt_token_ids) - seq.num_computed_tokens))
+            metrics.num_computed_prompt_tokens += prompt_part
+            self.stats.num_prompt_tokens_computed += prompt_part
             seq.num_computed_tokens += n
-            if result is None:
-                continue
-            seq.output_token_ids.append(result.token)
-            if result.logprob is not None:
-                seq.output_logprobs.append({result.token: result.logprob, **result.top_logprobs})
-            reason = self._finish_reason(seq, result.token)
+            self.block_manager.cache_full_blocks(seq)
+            if result is not None:
+                progressed.setdefault(seq.request.request_id, {})[seq.index] = self._append(seq, result)
+        self._update_stats()
+        return [self._delta_output(self.requests[rid], deltas) for rid, deltas in progressed.items()]
+
+    def final_output(self, request: Request) -> RequestOutput:
+        """The whole result of a request so far (all samples, full text and tokens)."""
+        outputs = []
+        for seq in request.seqs:
+            logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
+            cumulative = sum(lp[t] for lp, t in zip(logprobs, seq.output_token_ids)) if logprobs else None
+            text = seq.detokenizer.text if seq.detokenizer is not None else ""
+            outputs.append(CompletionOutput(seq.index, text, list(seq.output_token_ids), seq.finish_reason,
+                                            seq.stop_reason, logprobs, cumulative))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
+                             request.finished, delta=False, metrics=request.metrics)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _append(self, seq: Sequence, result: StepResult) -> CompletionOutput:
+        """Record a sampled token; detokenize; finish the sequence if it is done. Returns its delta."""
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = time.monotonic()
+        metrics.num_output_tokens += 1
+        self.stats.num_generated_tokens += 1
+        token = result.token
+        seq.output_token_ids.append(token)
+        lps = None
+        if result.logprob is not None:
+            lps = {token: result.logprob, **result.top_logprobs}
+            seq.output_logprobs.append(lps)
+        text = ""
+        if seq.detokenizer is not None:
+            text = seq.detokenizer.step([token])
+            if seq.detokenizer.finished:
+                seq.stop_reason = seq.detokenizer.stop_reason
+                self._finish(seq, "stop")
+        if not seq.is_finished:
+            reason = self._finish_reason(seq, token)
             if reason:
-                self.scheduler.finish(seq, reason)
-                finished.append(seq)
-        return finished
+                if seq.detokenizer is not None:
+                    text += seq.detokenizer.flush()
+                self._finish(seq, reason)
+        return CompletionOutput(seq.index, text, [token], seq.finish_reason, seq.stop_reason,
+                                [lps] if lps is not None else None)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:
+            seq.stop_reason = token
             return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        request = seq.request
+        if request.finished:
+            request.metrics.finished_time = time.monotonic()
+            request.metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
+
+    def _delta_output(self, request: Request, deltas: dict[int, CompletionOutput]) -> RequestOutput:
+        out = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                            [deltas[i] for i in sorted(deltas)], request.finished, delta=True, metrics=request.metrics)
+        if request.finished:
+            del self.requests[request.request_id]
+        return out
+
+    def _update_stats(self) -> None:
+        s, bm = self.stats, self.block_manager
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries, s.prefix_cache_hits = bm.prefix_queries, bm.prefix_hits
+        s.num_waiting, s.num_running = len(self.scheduler.waiting), len(self.scheduler.running)
+        s.kv_usage = bm.usage

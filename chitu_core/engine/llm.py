@@ -1,5 +1,6 @@
 """The offline API: ``LLM(model=PATH, device=..., dtype=...).generate(prompts, SamplingParams(...))``."""
 
+import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -7,10 +8,9 @@ from tqdm.auto import tqdm
 
 from chitu_core.config import EngineConfig
 from chitu_core.engine.engine import LLMEngine
-from chitu_core.engine.outputs import CompletionOutput, RequestOutput
-from chitu_core.engine.sequence import Sequence
+from chitu_core.engine.outputs import RequestOutput
 from chitu_core.errors import ChituError
-from chitu_core.sampling.params import SamplingParams
+from chitu_core.sampling.params import BeamSearchParams, SamplingParams
 
 Prompt = str | dict[str, Any]
 
@@ -23,6 +23,7 @@ class LLM:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, **kwargs)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
@@ -49,14 +50,19 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
-        seqs = []
-        for prompt, p in zip(prompts, params):
-            ids, text = self._prompt_ids(prompt)
-            seqs.append(self.engine.add_request(ids, p, text))
-        with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                bar.update(len(self.engine.step()))
-        return [self._output(seq) for seq in seqs]
+        requests = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids, text = self._prompt_ids(prompt)
+                requests.append(self.engine.add_request(f"offline-{next(self._ids)}", ids, p, text))
+        except Exception:  # all prompts or none: never leave half a batch queued
+            for request in requests:
+                self.engine.abort_request(request.request_id)
+            raise
+        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm) as bar:
+            while not all(r.finished for r in requests):
+                bar.update(sum(o.finished for o in self.engine.step()))
+        return [self.engine.final_output(r) for r in requests]
 
     def chat(
         self,
@@ -74,9 +80,10 @@ class LLM:
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
-        logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
-        cumulative = sum(lp[t] for lp, t in zip(logprobs, seq.output_token_ids)) if logprobs else None
-        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, logprobs, cumulative)
-        return RequestOutput(str(seq.seq_id), seq.prompt, list(seq.prompt_token_ids), [completion])
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams) -> list:
+        """Beam search, as transformers' generate(num_beams=..., do_sample=False); one
+        ``BeamSearchOutput`` (hypotheses best first) per prompt. See ``engine.beam_search``."""
+        from chitu_core.engine.beam_search import beam_search
+
+        return beam_search(self, [prompts] if isinstance(prompts, (str, dict)) else list(prompts), params)
+

@@ -23,10 +23,11 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model, attention: AttentionBackend, kv_caches: list[torch.Tensor], sampler: Sampler,
-                 device: torch.device, synchronize=None):
+                 device: torch.device, vocab_size: int, eos_token_ids: set[int], synchronize=None):
         self.model, self.attention, self.kv_caches = model, attention, kv_caches
         self.sampler, self.device = sampler, device
         self.block_size = attention.block_size
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self.synchronize = synchronize  # when set (profiling), called after the forward to time it
         self.last_forward_seconds = 0.0
 
@@ -73,16 +74,25 @@ class ModelRunner:
         hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches))
         ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
         sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens]
-        if not sampling:
-            return [None] * len(batch.seqs)
-        last_rows = torch.tensor(batch.num_new_tokens).cumsum(0)[sampling] - 1
-        logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
+        logits = None
+        if sampling:
+            last_rows = torch.tensor(batch.num_new_tokens).cumsum(0)[sampling] - 1
+            logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
         if self.synchronize is not None:
             self.synchronize()
             self.last_forward_seconds = time.perf_counter() - start
+        if not sampling:
+            return [None] * len(batch.seqs)
         seqs = [batch.seqs[i] for i in sampling]
         sbatch = SamplingBatch.build(
-            [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs], self.device
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [len(s.output_token_ids) for s in seqs],
+            self.device,
+            self.vocab_size,
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [self._banned(s) for s in seqs],
         )
         out = self.sampler(logits, sbatch)
         # One device-to-host copy for everything the host needs this step.
@@ -101,3 +111,10 @@ class ModelRunner:
                 result.top_logprobs = {int(t): lp for t, lp in zip(vals[2 : 2 + wanted], vals[2 + k : 2 + k + wanted])}
             results[i] = result
         return results
+
+    def _banned(self, seq) -> list[int]:
+        """Tokens that may not be sampled yet: EOS and stop tokens before min_tokens are out."""
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))

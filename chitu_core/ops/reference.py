@@ -99,6 +99,17 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return out.masked_fill(probs < threshold, float("-inf"))
 
 
+def apply_penalties(
+    logits: Tensor, prompt_mask: Tensor, output_counts: Tensor, repetition: Tensor, frequency: Tensor, presence: Tensor
+) -> Tensor:
+    x = logits.to(_acc_dtype(logits))
+    in_output = output_counts > 0
+    r = repetition.to(x.dtype)[:, None]
+    x = torch.where(prompt_mask | in_output, torch.where(x > 0, x / r, x * r), x)
+    x = x - frequency.to(x.dtype)[:, None] * output_counts.to(x.dtype)
+    return x - presence.to(x.dtype)[:, None] * in_output.to(x.dtype)
+
+
 def random_sample(probs: Tensor, exponentials: Tensor) -> Tensor:
     return (probs / exponentials).argmax(dim=-1)
 

@@ -74,6 +74,28 @@ class OpSet(Protocol):
         """logits: float32 [B, V]; min_p: float32 [B]. Sets to -inf every token whose
         probability is below min_p times the row's largest probability; min_p = 0 disables."""
 
+    def apply_penalties(
+        self,
+        logits: Tensor,
+        prompt_mask: Tensor,
+        output_counts: Tensor,
+        repetition: Tensor,
+        frequency: Tensor,
+        presence: Tensor,
+    ) -> Tensor:
+        """Repetition, frequency and presence penalties, as vLLM and transformers define them.
+
+        logits: float32 [B, V]; prompt_mask: bool [B, V], True where the token occurs in the
+        row's prompt; output_counts: int32 or int64 [B, V], how many times the token occurs in
+        the row's output so far (>= 0); repetition (> 0), frequency, presence: float32 [B].
+
+        For a token in the prompt or in the output (count > 0), a logit > 0 is divided by the
+        row's repetition and a logit <= 0 is multiplied by it; other logits are kept. Then every
+        token loses frequency * count and, if count > 0, presence:
+        ``out = rep(logit) - frequency * count - presence * (count > 0)``, in float32. Repetition
+        1, frequency 0 and presence 0 leave a row exactly unchanged; -inf stays -inf. Returns
+        float32 [B, V]."""
+
     def random_sample(self, probs: Tensor, exponentials: Tensor) -> Tensor:
         """probs: float32 [B, V] (rows sum to 1); exponentials: float32 [B, V] of
         independent Exp(1) draws. Returns int64 [B], argmax(probs / exponentials): an exact

@@ -1,11 +1,14 @@
 """The batched sampler: one call per step for every sequence that emits a token, all on the device.
 
-Greedy rows take ``greedy_sample``; the others go through temperature, top-k/top-p,
-min-p and ``random_sample`` with counter-based noise (``noise``), so that a seeded
-request samples the same tokens in any batch. Filters that no row uses are skipped.
+Banned tokens (EOS and stop tokens before ``min_tokens``) are set to -inf first, then the
+repetition/frequency/presence penalties apply, to greedy rows too (as vLLM). Greedy rows then
+take ``greedy_sample``; the others go through temperature, top-k/top-p, min-p and
+``random_sample`` with counter-based noise (``noise``), so that a seeded request samples the same
+tokens in any batch. Work that no row needs is skipped on host flags.
 """
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -16,7 +19,11 @@ from chitu_core.sampling.params import SamplingParams
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters as device tensors, plus host flags to skip unused work."""
+    """Per-row sampling parameters as device tensors, plus host flags to skip unused work.
+
+    The penalty tensors are None unless some row uses a penalty, ``banned`` unless some row
+    has banned tokens; their [B, V] tables are built on the device in a few vectorized ops.
+    """
 
     temperature: torch.Tensor  # float32 [B]
     top_k: torch.Tensor  # int64 [B]
@@ -28,14 +35,36 @@ class SamplingBatch:
     use_top_k_top_p: bool
     use_min_p: bool
     max_logprobs: int | None
+    repetition: torch.Tensor | None = None  # float32 [B]
+    frequency: torch.Tensor | None = None  # float32 [B]
+    presence: torch.Tensor | None = None  # float32 [B]
+    prompt_mask: torch.Tensor | None = None  # bool [B, V]: the token is in the row's prompt
+    output_counts: torch.Tensor | None = None  # int32 [B, V]: its occurrences in the row's output
+    banned: torch.Tensor | None = None  # bool [B, V]: the row must not sample the token this step
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], counters: list[int], device: torch.device) -> "SamplingBatch":
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        counters: list[int],
+        device: torch.device,
+        vocab_size: int,
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        banned_ids: list[list[int]],
+    ) -> "SamplingBatch":
+        """One row per entry of ``params``. prompt_ids / output_ids: each row's prompt and output
+        tokens so far (read only for rows that use a penalty), ids in [0, vocab_size);
+        banned_ids: the tokens each row may not sample this step (ids outside the vocabulary
+        cannot be sampled anyway and are ignored)."""
+
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+        rows = len(params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
+        batch = cls(
             temperature=t([p.temperature for p in params], torch.float32),
             top_k=t([p.top_k for p in params], torch.int64),
             top_p=t([p.top_p for p in params], torch.float32),
@@ -47,6 +76,40 @@ class SamplingBatch:
             use_min_p=any(not p.greedy and p.min_p > 0 for p in params),
             max_logprobs=max(wanted) if wanted else None,
         )
+        penalized = [i for i, p in enumerate(params) if p.uses_penalties]
+        if penalized:  # rows without penalties keep empty tables: their penalties are neutral
+            batch.repetition = t([p.repetition_penalty for p in params], torch.float32)
+            batch.frequency = t([p.frequency_penalty for p in params], torch.float32)
+            batch.presence = t([p.presence_penalty for p in params], torch.float32)
+            batch.prompt_mask = _token_table(prompt_ids, penalized, rows, vocab_size, device, "prompt_ids")
+            batch.output_counts = _token_table(output_ids, penalized, rows, vocab_size, device, "output_ids", count=True)
+        banning = [i for i, ids in enumerate(banned_ids) if ids]
+        if banning:
+            batch.banned = _token_table(banned_ids, banning, rows, vocab_size, device, None)
+        return batch
+
+
+def _token_table(ids: list[list[int]], read: list[int], rows: int, vocab_size: int, device: torch.device,
+                 name: str | None, count: bool = False) -> torch.Tensor:
+    """[rows, vocab_size] on the device: bool, True where ``ids[row]`` holds the token, or with
+    ``count`` int32, how many times. Only rows in ``read`` are read; the others stay empty. A token
+    outside [0, vocab_size) is an error naming ``name``, or ignored if ``name`` is None."""
+    # One flat index (row * vocab_size + token) built on the host, one copy, one scatter.
+    lengths = torch.tensor([len(ids[r]) for r in read], dtype=torch.int64)
+    tokens = torch.tensor(list(chain.from_iterable(ids[r] for r in read)), dtype=torch.int64)
+    starts = torch.repeat_interleave(torch.tensor(read, dtype=torch.int64) * vocab_size, lengths)
+    inside = (tokens >= 0) & (tokens < vocab_size)
+    if not bool(inside.all()):
+        if name is not None:
+            raise ValueError(f"{name} holds a token id outside [0, {vocab_size})")
+        starts, tokens = starts[inside], tokens[inside]
+    index = (starts + tokens).to(device, non_blocking=True)
+    if count:
+        table = torch.zeros(rows * vocab_size, dtype=torch.int32, device=device)
+        table.index_add_(0, index, torch.ones(index.shape, dtype=torch.int32, device=device))
+    else:
+        table = torch.zeros(rows * vocab_size, dtype=torch.bool, device=device).index_fill_(0, index, True)
+    return table.view(rows, vocab_size)
 
 
 @dataclass
@@ -62,10 +125,20 @@ class Sampler:
         self.ops = ops
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: float32 [B, V] -> one token per row."""
-        tokens = self.ops.greedy_sample(logits)
+        """logits: float32 [B, V] -> one token per row.
+
+        Log-probabilities (``logprobs``, ``top_logprobs``) are those of the raw logits: before
+        bans, penalties, temperature and filters."""
+        x = logits
+        if batch.banned is not None:
+            x = x.masked_fill(batch.banned, float("-inf"))
+        if batch.prompt_mask is not None:
+            x = self.ops.apply_penalties(
+                x, batch.prompt_mask, batch.output_counts, batch.repetition, batch.frequency, batch.presence
+            )
+        tokens = self.ops.greedy_sample(x)
         if not batch.all_greedy:
-            x = self.ops.apply_temperature(logits, batch.temperature)
+            x = self.ops.apply_temperature(x, batch.temperature)
             if batch.use_top_k_top_p:
                 x = self.ops.apply_top_k_top_p(x, batch.top_k, batch.top_p)
             if batch.use_min_p:

@@ -65,6 +65,19 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_penalties(
+    logits: Tensor, prompt_mask: Tensor, output_counts: Tensor, repetition: Tensor, frequency: Tensor, presence: Tensor
+) -> Tensor:
+    # One [B, V] factor (the repetition penalty where the token was seen, 1 elsewhere), then the
+    # frequency and presence terms as two fused multiply-subtracts.
+    in_output = output_counts > 0
+    factor = torch.where(prompt_mask | in_output, repetition[:, None], 1.0)
+    x = logits.float()
+    x = torch.where(x > 0, x / factor, x * factor)
+    x = torch.addcmul(x, output_counts.float(), frequency[:, None], value=-1.0)
+    return torch.addcmul(x, in_output.float(), presence[:, None], value=-1.0)
+
+
 def log_softmax(logits: Tensor) -> Tensor:
     return F.log_softmax(logits.float(), dim=-1)
 
@@ -78,5 +91,6 @@ NATIVE_OPS = {
     "embedding": embedding,
     "greedy_sample": greedy_sample,
     "apply_top_k_top_p": apply_top_k_top_p,
+    "apply_penalties": apply_penalties,
     "log_softmax": log_softmax,
 }

@@ -1,0 +1,173 @@
+"""``python -m chitu_core.bench offline``: throughput and step times of one fixed batch.
+
+B random prompts of exactly I token ids go to the engine at once and each
+generates O tokens (ignore_eos). The benchmark drives ``engine.step()`` itself
+and times every step with ``perf_counter``; under ``profile_steps`` the runner
+syncs the device after the forward and reports its time in
+``runner.last_forward_seconds``. The step that gives the last request its first
+token ends the prefill; the steps after it are decode steps. A step's time
+outside the forward is everything else the engine does in it: scheduling,
+building the inputs, sampling, the host copy, bookkeeping and detokenization.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chitu_core.engine.llm import LLM
+from chitu_core.loader.hf import open_model_dir
+from chitu_core.sampling.params import SamplingParams
+
+
+@dataclass
+class StepTime:
+    wall_s: float
+    forward_s: float
+
+
+@dataclass
+class BatchRun:
+    steps: list[StepTime]
+    prefill_steps: int  # steps until every request had its first token
+    prefill_s: float  # from adding the requests to the end of the last prefill step
+    prefill_tokens: int  # output tokens out by then (B, unless some requests decoded meanwhile)
+    total_s: float
+    output_tokens: int
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> BatchRun:
+    """Run the prompts to completion, one timed step at a time."""
+    engine = llm.engine
+    start = time.perf_counter()
+    seqs = [engine.add_request(f"{tag}-{i}", p, params.model_copy(update={"seed": i})).seqs[0] for i, p in enumerate(prompts)]
+    steps: list[StepTime] = []
+    prefill_steps, prefill_end, prefill_tokens = 0, start, 0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        steps.append(StepTime(t1 - t0, engine.runner.last_forward_seconds))
+        if not prefill_steps and all(s.output_token_ids for s in seqs):
+            prefill_steps, prefill_end = len(steps), t1
+            prefill_tokens = sum(len(s.output_token_ids) for s in seqs)
+    end = time.perf_counter()
+    output_tokens = sum(len(s.output_token_ids) for s in seqs)
+    return BatchRun(steps, prefill_steps, prefill_end - start, prefill_tokens, end - start, output_tokens)
+
+
+def _outside_share(steps: list[StepTime]) -> float:
+    wall = sum(s.wall_s for s in steps)
+    return max(0.0, wall - sum(s.forward_s for s in steps)) / wall if wall else 0.0
+
+
+def run_offline(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the model, warm up, run the measured batch; returns the report (what --json prints)."""
+    hf = open_model_dir(args.model).config
+    llm = LLM(
+        args.model, device=args.device, dtype=args.dtype, profile_steps=True, load_progress=False,
+        max_model_len=args.input_len + args.output_len, num_threads=args.threads,
+    )
+    engine = llm.engine
+    B, I, O = args.batch_size, args.input_len, args.output_len
+    params = SamplingParams(max_tokens=O, temperature=args.temperature, ignore_eos=True)
+    prompts = random_prompts(B, I, engine.vocab_size, args.seed)
+    # Other prompts for the warm-up, so that the measured prefill finds nothing in the prefix cache.
+    warm_prompts = random_prompts(B, I, engine.vocab_size, args.seed + 1)
+    for w in range(args.warmup):
+        run_batch(llm, warm_prompts, params.model_copy(update={"max_tokens": min(O, 4)}), f"warmup{w}")
+
+    run = run_batch(llm, prompts, params, "bench")
+    decode = run.steps[run.prefill_steps:]
+    decode_s = run.total_s - run.prefill_s
+    ms = [s.wall_s * 1e3 for s in decode]
+    return {
+        "model": str(args.model),
+        "architecture": hf.architectures[0],
+        "model_config": {
+            "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
+            "intermediate_size": hf.intermediate_size, "num_attention_heads": hf.num_attention_heads,
+            "num_key_value_heads": hf.num_key_value_heads, "vocab_size": hf.vocab_size,
+            "num_parameters": sum(p.numel() for p in engine.model.parameters()),
+        },
+        "backend": engine.backend.name,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "batch_size": B, "input_len": I, "output_len": O, "temperature": args.temperature, "warmup": args.warmup,
+        "input_tokens": B * I,
+        "output_tokens": run.output_tokens,
+        "num_steps": len(run.steps),
+        "prefill_steps": run.prefill_steps,
+        "decode_steps": len(decode),
+        "total_s": round(run.total_s, 6),
+        "output_tok_per_s": round(run.output_tokens / run.total_s, 3),
+        "prefill_s": round(run.prefill_s, 6),
+        "prefill_tok_per_s": round(B * I / run.prefill_s, 3),
+        "decode_s": round(decode_s, 6),
+        "decode_tok_per_s": round((run.output_tokens - run.prefill_tokens) / decode_s, 3) if decode else None,
+        "decode_step_mean_ms": round(statistics.fmean(ms), 4) if ms else None,
+        "decode_step_median_ms": round(statistics.median(ms), 4) if ms else None,
+        "decode_forward_mean_ms": round(statistics.fmean(s.forward_s * 1e3 for s in decode), 4) if decode else None,
+        "outside_forward_share": round(_outside_share(run.steps), 4),
+        "decode_outside_forward_share": round(_outside_share(decode), 4) if decode else None,
+    }
+
+
+def render(r: dict[str, Any]) -> str:
+    c = r["model_config"]
+    lines = [
+        f"model    {r['model']}: {r['architecture']}, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+        f"heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv, vocab {c['vocab_size']}, "
+        f"{c['num_parameters'] / 1e6:.1f}M parameters",
+        f"backend  {r['backend']} ({r['device']}), {r['dtype']}, {r['threads']} threads",
+        f"batch    {r['batch_size']} x {r['input_len']} input tokens -> {r['output_len']} output tokens each, "
+        f"temperature {r['temperature']}, {r['warmup']} warm-up run(s)",
+        f"total    {r['total_s']:.3f} s for {r['output_tokens']} output tokens: {r['output_tok_per_s']:.1f} tok/s",
+        f"prefill  {r['prefill_s']:.3f} s in {r['prefill_steps']} step(s): {r['prefill_tok_per_s']:.1f} input tok/s",
+    ]
+    if r["decode_steps"]:
+        lines.append(
+            f"decode   {r['decode_s']:.3f} s in {r['decode_steps']} steps: {r['decode_tok_per_s']:.1f} tok/s; "
+            f"per step mean {r['decode_step_mean_ms']:.2f} ms, median {r['decode_step_median_ms']:.2f} ms "
+            f"(forward {r['decode_forward_mean_ms']:.2f} ms)"
+        )
+        lines.append(f"outside the forward: {r['outside_forward_share']:.1%} of step time "
+                     f"({r['decode_outside_forward_share']:.1%} in decode steps)")
+    else:
+        lines.append(f"outside the forward: {r['outside_forward_share']:.1%} of step time")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF model directory")
+    parser.add_argument("--device", default="auto", help="backend name, or auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts in the batch (B)")
+    parser.add_argument("--input-len", type=int, default=128, help="tokens per prompt (I)")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (O)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up runs of the same batch shape, 4 tokens each")
+    parser.add_argument("--threads", type=int, default=None, help="host threads (default: the backend's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the random prompts")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    for name in ("batch_size", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    report = run_offline(args)
+    print(json.dumps(report) if args.json else render(report))
+    return 0

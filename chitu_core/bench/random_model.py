@@ -1,0 +1,46 @@
+"""``python -m chitu_core.bench random-model --like NAME --out DIR``: a random-weight HF model
+directory (config.json, generation_config.json, safetensors) of a named config, made with
+transformers' ``from_config`` and ``save_pretrained``. No tokenizer: prompts are token ids."""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from chitu_core.bench.configs import CONFIGS
+
+
+def hf_config(name: str):
+    """The transformers config of ``CONFIGS[name]``."""
+    from transformers import AutoConfig
+
+    if name not in CONFIGS:
+        raise ValueError(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
+    fields = dict(CONFIGS[name])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def write_random_model(name: str, out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> int:
+    """Save a random-weight model of config ``name`` to ``out``; returns its parameter count."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(name)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    return model.num_parameters()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--like", required=True, choices=sorted(CONFIGS), help="the named config to copy")
+    parser.add_argument("--out", required=True, type=Path, help="directory to write")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the saved weights (default: bfloat16, as the real checkpoints)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    params = write_random_model(args.like, args.out, getattr(torch, args.dtype), args.seed)
+    print(f"wrote {args.out}: random {args.like} ({params / 1e6:.1f}M parameters, {args.dtype})")
+    return 0

@@ -1,0 +1,112 @@
+"""AsyncLLM: concurrent streams equal the offline results; a consumer that leaves aborts its request."""
+
+import asyncio
+
+import pytest
+
+from builders import build_model, save_tokenizer
+from chitu_core import LLM, SamplingParams
+from chitu_core.config import EngineConfig
+from chitu_core.engine.async_engine import AsyncLLM
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("async-llama")
+    build_model(path, "llama", bos_token_id=0, eos_token_id=1)
+    save_tokenizer(path)
+    return path
+
+
+def config(path) -> EngineConfig:
+    return EngineConfig(model=str(path), device="cpu", dtype="float32", load_progress=False)
+
+
+async def collect(llm: AsyncLLM, prompt, params, **kw):
+    deltas = [d async for d in llm.generate(prompt, params, **kw)]
+    return deltas
+
+
+def test_concurrent_streams_equal_offline_generation(model_path):
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 8, 25, 1)]
+    params = [SamplingParams(max_tokens=10 + i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True) for i in range(6)]
+    offline = LLM(model_path, device="cpu", dtype="float32", load_progress=False)
+    want = [o.outputs[0] for o in offline.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+    async def main():
+        llm = AsyncLLM(config(model_path))
+        results = await asyncio.gather(*(collect(llm, p, s) for p, s in zip(prompts, params)))
+        await llm.wait_idle()
+        stats = llm.stats()
+        await llm.shutdown()
+        return results, stats, llm
+
+    results, stats, llm = asyncio.run(main())
+    for deltas, w in zip(results, want):
+        assert sum((d.outputs[0].token_ids for d in deltas), []) == w.token_ids
+        assert "".join(d.outputs[0].text for d in deltas) == w.text
+        assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+        assert not any(d.finished for d in deltas[:-1])
+        m = deltas[-1].metrics
+        assert m.queue_time >= 0 and m.time_to_first_token > 0 and m.time_per_output_token > 0
+        assert m.num_output_tokens == len(w.token_ids)
+    assert stats.num_generated_tokens == sum(len(w.token_ids) for w in want)
+    assert stats.kv_usage == 0.0 and stats.num_running == 0
+    bm = llm.engine.block_manager
+    assert bm.num_free == bm.num_blocks
+
+
+def test_leaving_a_stream_aborts_its_request(model_path):
+    async def main():
+        llm = AsyncLLM(config(model_path))
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        seen = 0
+        async for _ in llm.generate(list(range(30)), params, request_id="leaver"):
+            seen += 1
+            if seen == 3:
+                break
+        finisher = await collect(llm, [4, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True))
+        await llm.wait_idle()
+        await llm.shutdown()
+        return llm, finisher
+
+    llm, finisher = asyncio.run(main())
+    assert finisher[-1].outputs[0].finish_reason == "length"
+    eng = llm.engine
+    assert not eng.requests and not eng.scheduler.has_unfinished()
+    assert eng.block_manager.num_free == eng.block_manager.num_blocks
+
+
+def test_a_refused_request_raises_before_any_output(model_path):
+    async def main():
+        llm = AsyncLLM(config(model_path))
+        try:
+            with pytest.raises(ValueError, match="more than max_model_len=512"):
+                await collect(llm, [1] * 500, SamplingParams(max_tokens=100))
+            ok = await collect(llm, [1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+        finally:
+            await llm.shutdown()
+        return ok
+
+    assert len(asyncio.run(main())) == 2
+
+
+def test_stop_strings_are_never_streamed(model_path):
+    offline = LLM(model_path, device="cpu", dtype="float32", load_progress=False)
+    base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = offline.tokenizer.encode("What is the capital of France?")
+    text = offline.generate({"prompt_token_ids": prompt}, base)[0].outputs[0].text
+    stop = text[4:7]
+    params = base.model_copy(update={"stop": [stop]})
+
+    async def main():
+        llm = AsyncLLM(config(model_path))
+        try:
+            return await collect(llm, prompt, params)
+        finally:
+            await llm.shutdown()
+
+    deltas = asyncio.run(main())
+    streamed = "".join(d.outputs[0].text for d in deltas)
+    assert streamed == text[: text.index(stop)]
+    assert deltas[-1].outputs[0].finish_reason == "stop" and deltas[-1].outputs[0].stop_reason == stop

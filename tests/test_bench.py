@@ -1,0 +1,85 @@
+"""`python -m chitu_core.bench`: random-model writes a loadable model of a named config; offline
+reports consistent numbers. Both run as subprocesses, as a user runs them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from chitu_core import LLM, SamplingParams
+from chitu_core.bench.__main__ import main
+from chitu_core.bench.configs import CONFIGS
+from chitu_core.bench.random_model import hf_config
+
+
+def bench(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "chitu_core.bench", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-tiny")
+    out = bench("random-model", "--like", "tiny", "--out", str(path), "--dtype", "float32")
+    assert out.startswith(f"wrote {path}: random tiny")
+    return path
+
+
+def test_random_model_loads_and_matches_transformers(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert {k: config[k] for k in CONFIGS["tiny"]} == CONFIGS["tiny"]
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", load_progress=False)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert out.outputs[0].token_ids == ref[0, 3:].tolist()
+
+
+@pytest.mark.parametrize("name, num_parameters", [("smollm2-135m", 134_515_008), ("llama-3.1-8b", 8_030_261_248)])
+def test_named_configs_have_the_real_models_sizes(name, num_parameters):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(name))
+    assert model.num_parameters() == num_parameters
+
+
+def test_offline_json_is_consistent(tiny_dir):
+    B, I, O = 3, 8, 5
+    r = json.loads(bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size", str(B),
+                         "--input-len", str(I), "--output-len", str(O), "--warmup", "1", "--json"))
+    assert (r["backend"], r["device"], r["dtype"], r["architecture"]) == ("cpu", "cpu:0", "float32", "LlamaForCausalLM")
+    c = r["model_config"]
+    assert (c["num_hidden_layers"], c["hidden_size"], c["vocab_size"]) == (2, 64, 512)
+    assert c["num_parameters"] > 0
+    assert (r["batch_size"], r["input_len"], r["output_len"], r["warmup"]) == (B, I, O, 1)
+    assert (r["input_tokens"], r["output_tokens"]) == (B * I, B * O)
+    # The whole batch prefills in one step, then one decode step per further token.
+    assert (r["num_steps"], r["prefill_steps"], r["decode_steps"]) == (O, 1, O - 1)
+    assert r["total_s"] == pytest.approx(r["prefill_s"] + r["decode_s"], abs=2e-6)
+    assert r["output_tok_per_s"] == pytest.approx(B * O / r["total_s"], rel=1e-3)
+    assert r["prefill_tok_per_s"] == pytest.approx(B * I / r["prefill_s"], rel=1e-3)
+    assert r["decode_tok_per_s"] == pytest.approx(B * (O - 1) / r["decode_s"], rel=1e-3)
+    assert 0 < r["decode_step_median_ms"] and 0 < r["decode_forward_mean_ms"] <= r["decode_step_mean_ms"]
+    assert r["decode_step_mean_ms"] * (O - 1) <= r["decode_s"] * 1e3 + 1e-2  # the steps and the loop between them
+    assert 0 <= r["outside_forward_share"] <= 1 and 0 <= r["decode_outside_forward_share"] <= 1
+
+
+def test_offline_text_report(tiny_dir):
+    out = bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--batch-size", "2", "--input-len", "4",
+                "--output-len", "3", "--warmup", "0")
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines] == ["model", "backend", "batch", "total", "prefill", "decode", "outside"]
+    assert "LlamaForCausalLM, 2 layers" in lines[0] and "6 output tokens" in lines[3]
+
+
+def test_unknown_config_is_an_argument_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["random-model", "--like", "gpt-5", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "invalid choice: 'gpt-5'" in capsys.readouterr().err
