@@ -14,7 +14,7 @@ $(VENV)/.deps: pyproject.toml models/pyproject.toml plugins/cpu/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip "setuptools>=77" wheel
 	$(PIP) torch==2.13.0
-	$(PIP) ./ ./models ./plugins/cpu "pytest>=8" "pytest-timeout>=2.2"
+	$(PIP) "./[test]" ./models ./plugins/cpu
 	touch $@
 
 install: $(VENV)/.deps

@@ -1,16 +1,25 @@
-"""Engine configuration, one pydantic model shared by the offline API (and later the server)."""
+"""Configuration: one pydantic-settings model for the engine, shared by ``LLM`` and the server.
+
+Every field can be given as a keyword (``LLM(model=..., max_num_seqs=8)``), a
+``CHITU_<FIELD>`` environment variable, or, for the server, a ``--kebab-case``
+flag or a config file (``python -m chitu_core.serve --help`` lists them all).
+"""
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SETTINGS = SettingsConfigDict(env_prefix="CHITU_", extra="forbid", cli_kebab_case=True, cli_implicit_flags=True)
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(BaseSettings):
     """How to load and run a model. Every field has a default that works on a laptop."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS
 
-    model: str = Field(description="HF model directory (config.json + safetensors)")
+    model: str | None = Field(
+        None, description="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     device: str = Field("auto", description="backend name, or 'auto' for the highest-priority available one")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto': the checkpoint's dtype if the backend supports it, else the backend's default")

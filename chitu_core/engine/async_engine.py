@@ -56,17 +56,21 @@ class AsyncLLM:
 
     # --- the event-loop side ----------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield delta outputs until the request finishes. Raises ValueError for a request the
-        engine refuses (said before any output). Stopping the iteration aborts the request."""
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                          prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Queue a request; once the engine accepted it, return the iterator of its delta outputs.
+        Raises ValueError (or ChituError) if the engine refuses it. Closing the iterator before
+        the end aborts the request; a caller that never iterates must ``abort`` it."""
         if self._error is not None:
             raise ChituError(f"the engine stopped after an error: {self._error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         accepted = asyncio.get_running_loop().create_future()
         self._commands.put(("add", request_id, prompt_token_ids, params, prompt, priority, stream, accepted))
-        await accepted  # raises the engine's ValueError for a bad request
+        await accepted
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -80,6 +84,13 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """``add_request`` and iterate: yields delta outputs until the request finishes."""
+        outputs = await self.add_request(prompt_token_ids, params, request_id, prompt, priority)
+        async for out in outputs:
+            yield out
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Its blocks are freed before the next step."""

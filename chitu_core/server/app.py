@@ -1,0 +1,261 @@
+"""The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models, plus /health and /metrics.
+
+Every /v1 route checks the API key (when keys are configured) and the model
+name, admits the request against the server's queue capacity, hands it to the
+AsyncLLM and answers with one JSON body or an SSE stream ending in
+``data: [DONE]``. A client that disconnects mid-stream aborts its request.
+"""
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chitu_core.engine.async_engine import AsyncLLM
+from chitu_core.server import schemas as s
+from chitu_core.server.errors import APIError, bad_request
+from chitu_core.server.handlers import Prepared, admit, chat_logprobs, completion_logprobs, merged, sampling_params, sse
+from chitu_core.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+def parse_api_keys(specs: list[str]) -> list[tuple[bytes, int]]:
+    """"KEY" or "KEY:PRIORITY" (lower runs first; default 0) -> (key bytes, priority)."""
+    keys = []
+    for spec in specs:
+        key, sep, prio = spec.rpartition(":") if ":" in spec else (spec, "", "0")
+        if not key or not prio.lstrip("-").isdigit():
+            raise ValueError(f"--api-key {spec!r}: expected KEY or KEY:PRIORITY with an integer priority")
+        keys.append((key.encode(), int(prio)))
+    return keys
+
+
+class ServerState:
+    def __init__(self, llm: AsyncLLM, served_names: list[str], api_keys: list[str], max_pending: int):
+        self.llm, self.tokenizer = llm, llm.tokenizer
+        self.served_names = served_names
+        self.keys = parse_api_keys(api_keys)
+        self.max_pending, self.pending = max_pending, 0
+        self.max_model_len = llm.engine.max_model_len
+        self.metrics = ServerMetrics(llm.stats, max_pending, lambda: self.pending)
+
+    def check_model(self, name: str) -> None:
+        if name not in self.served_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {', '.join(self.served_names)}",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def priority(self, request: Request) -> int:
+        """The caller's priority from its API key; 401 without a valid one (when keys are set)."""
+        if not self.keys:
+            return 0
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        match = None
+        for key, prio in self.keys:  # compare with every key, in constant time each
+            if hmac.compare_digest(given, key) and match is None:
+                match = prio
+        if match is None:
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           "invalid_request_error", None, "invalid_api_key")
+        return match
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send token ids as the prompt", "prompt")
+        return self.tokenizer.encode(text)
+
+    def chat_prompt(self, messages: list[s.ChatMessage]) -> tuple[list[int], str]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        conv = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template that rejects this conversation (e.g. role order)
+            raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False), text
+
+
+def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), max_pending: int = 1024) -> FastAPI:
+    state = ServerState(llm, served_names, list(api_keys), max_pending)
+    app = FastAPI(title="chitu-core", description="OpenAI-compatible LLM server")
+    app.state.chitu = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return bad_request(f"invalid request: {where or 'body'}: {first.get('msg', 'malformed')}", where or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    def authorized(request: Request) -> int:
+        return state.priority(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(_: int = Depends(authorized)) -> s.ModelList:
+        return s.ModelList(data=[s.ModelCard(id=n, max_model_len=state.max_model_len) for n in state.served_names])
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: s.ChatCompletionRequest, request: Request, priority: int = Depends(authorized)):
+        state.check_model(body.model)
+        ids, text = state.chat_prompt(body.messages)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, body.max_completion_tokens or body.max_tokens, len(ids), state.max_model_len, top)
+        prep = Prepared(f"chatcmpl-{uuid.uuid4().hex}", [ids], [text], params, top)
+        return await run(prep, body, priority, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: s.CompletionRequest, request: Request, priority: int = Depends(authorized)):
+        state.check_model(body.model)
+        p = body.prompt
+        if isinstance(p, str):
+            prompts, texts = [state.encode(p)], [p]
+        elif p and isinstance(p[0], int):
+            prompts, texts = [list(p)], [None]
+        elif p and isinstance(p[0], str):
+            prompts, texts = [state.encode(x) for x in p], list(p)
+        elif p:
+            prompts, texts = [list(x) for x in p], [None] * len(p)
+        else:
+            raise bad_request("the prompt is empty", "prompt")
+        if any(not ids for ids in prompts):
+            raise bad_request("a prompt is empty", "prompt")
+        params = sampling_params(body, body.max_tokens or 16, max(map(len, prompts)), state.max_model_len, body.logprobs)
+        prep = Prepared(f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, body.logprobs)
+        return await run(prep, body, priority, chat=False)
+
+    async def run(prep: Prepared, body, priority: int, chat: bool) -> Response:
+        if state.pending + len(prep.prompts) > state.max_pending:
+            raise APIError(503, f"the server is at capacity ({state.max_pending} requests in flight); retry later",
+                           "server_error", None, "server_overloaded")
+        state.pending += len(prep.prompts)
+        try:
+            streams = await admit(state.llm, prep, priority)
+        except BaseException:
+            state.pending -= len(prep.prompts)
+            raise
+        model = body.model
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = stream_chat(prep, streams, model, include_usage) if chat else stream_completion(prep, streams, model, include_usage)
+            return StreamingResponse(release(prep, events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await collect(prep, streams, model, chat)
+        finally:
+            finish(prep)
+
+    def finish(prep: Prepared) -> None:
+        state.pending -= len(prep.prompts)
+        for rid in prep.engine_ids():  # no-op for finished requests; frees the rest
+            state.llm.abort(rid)
+
+    async def release(prep: Prepared, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            finish(prep)
+
+    def record(out) -> None:
+        if out.finished and out.metrics is not None:
+            state.metrics.observe_finished(out.metrics)
+
+    async def collect(prep: Prepared, streams, model: str, chat: bool):
+        n = prep.params.n
+        texts = {}
+        tokens: dict[int, list[int]] = {}
+        lps: dict[int, list] = {}
+        reasons: dict[int, str | None] = {}
+        async for i, out in merged(streams):
+            record(out)
+            for c in out.outputs:
+                k = i * n + c.index
+                texts[k] = texts.get(k, "") + c.text
+                tokens.setdefault(k, []).extend(c.token_ids)
+                lps.setdefault(k, []).extend(c.logprobs or [])
+                reasons[k] = c.finish_reason
+        prompt_tokens = sum(map(len, prep.prompts))
+        usage = s.Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(map(len, tokens.values())),
+                        total_tokens=prompt_tokens + sum(map(len, tokens.values())))
+        tok = state.tokenizer
+        if chat:
+            choices = [s.ChatChoice(index=k, message=s.AssistantMessage(content=texts[k]), finish_reason=reasons[k],
+                                    logprobs=chat_logprobs(tok, lps[k], tokens[k], prep.logprobs) if prep.logprobs is not None else None)
+                       for k in sorted(texts)]
+            return s.ChatCompletion(id=prep.request_id, created=prep.created, model=model, choices=choices, usage=usage)
+        choices = [s.CompletionChoice(index=k, text=texts[k], finish_reason=reasons[k],
+                                      logprobs=completion_logprobs(tok, lps[k], tokens[k], prep.logprobs, 0) if prep.logprobs is not None else None)
+                   for k in sorted(texts)]
+        return s.Completion(id=prep.request_id, created=prep.created, model=model, choices=choices, usage=usage)
+
+    async def stream_chat(prep: Prepared, streams, model: str, include_usage: bool) -> AsyncIterator[str]:
+        n, tok = prep.params.n, state.tokenizer
+        head = dict(id=prep.request_id, created=prep.created, model=model)
+        for k in range(len(prep.prompts) * n):
+            yield sse(s.ChatCompletionChunk(**head, choices=[s.ChatChunkChoice(index=k, delta=s.DeltaMessage(role="assistant", content=""))]))
+        completion = 0
+        async for i, out in merged(streams):
+            record(out)
+            for c in out.outputs:
+                completion += len(c.token_ids)
+                logprobs = chat_logprobs(tok, c.logprobs or [], c.token_ids, prep.logprobs) if prep.logprobs is not None else None
+                choice = s.ChatChunkChoice(index=i * n + c.index, delta=s.DeltaMessage(content=c.text),
+                                           logprobs=logprobs, finish_reason=c.finish_reason)
+                yield sse(s.ChatCompletionChunk(**head, choices=[choice]))
+        if include_usage:
+            prompt = sum(map(len, prep.prompts))
+            usage = s.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+            yield sse(s.ChatCompletionChunk(**head, choices=[], usage=usage))
+        yield "data: [DONE]\n\n"
+
+    async def stream_completion(prep: Prepared, streams, model: str, include_usage: bool) -> AsyncIterator[str]:
+        n, tok = prep.params.n, state.tokenizer
+        head = dict(id=prep.request_id, created=prep.created, model=model)
+        completion, offsets = 0, {}
+        async for i, out in merged(streams):
+            record(out)
+            for c in out.outputs:
+                k = i * n + c.index
+                completion += len(c.token_ids)
+                logprobs = None
+                if prep.logprobs is not None:
+                    logprobs = completion_logprobs(tok, c.logprobs or [], c.token_ids, prep.logprobs, offsets.get(k, 0))
+                offsets[k] = offsets.get(k, 0) + len(c.text)
+                yield sse(s.Completion(**head, choices=[s.CompletionChoice(index=k, text=c.text, logprobs=logprobs,
+                                                                          finish_reason=c.finish_reason)]))
+        if include_usage:
+            prompt = sum(map(len, prep.prompts))
+            usage = s.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+            yield sse(s.Completion(**head, choices=[], usage=usage))
+        yield "data: [DONE]\n\n"
+
+    return app

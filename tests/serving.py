@@ -1,0 +1,29 @@
+"""A real uvicorn server on 127.0.0.1 (a free port) in a thread, for tests."""
+
+import threading
+import time
+
+import uvicorn
+
+
+class LiveServer:
+    def __init__(self, app):
+        # log_config=None: uvicorn leaves logging alone, so its records reach pytest's caplog.
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", log_config=None)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
