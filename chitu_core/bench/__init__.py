@@ -5,4 +5,6 @@
   time spent outside the model forward.
 - ``random-model``: write a random-weight HF model directory of a named real
   config (``configs.CONFIGS``), to benchmark a model's shape without its weights.
+- ``serve``: latency (TTFT, TPOT, end to end) and throughput of any OpenAI-compatible
+  server at several concurrency levels, as a table, JSON or a plot.
 """

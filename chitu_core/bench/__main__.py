@@ -1,17 +1,18 @@
-"""``python -m chitu_core.bench {offline,random-model} ...``; ``--help`` on each says more."""
+"""``python -m chitu_core.bench {offline,random-model,serve} ...``; ``--help`` on each says more."""
 
 import argparse
 import sys
 
-from chitu_core.bench import offline, random_model
+from chitu_core.bench import offline, random_model, serve
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chitu_core.bench", description="Chitu benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # Each module adds its own arguments and sets `run`; a `serve` benchmark joins the same way.
+    # Each module adds its own arguments and sets `run`.
     offline.add_arguments(commands.add_parser("offline", help="throughput and step times of one fixed batch"))
     random_model.add_arguments(commands.add_parser("random-model", help="write a random-weight model of a named config"))
+    serve.add_arguments(commands.add_parser("serve", help="latency and throughput of an OpenAI-compatible server"))
     args = parser.parse_args(argv)
     return args.run(args)
 

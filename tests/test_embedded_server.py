@@ -1,0 +1,61 @@
+"""`python -m chitu_core.serve` with no --model: the embedded SmolLM2-135M-Instruct, answering for real."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port = free_port()
+    env = {**os.environ, "CHITU_CACHE_DIR": str(tmp_path_factory.mktemp("cache")), "CHITU_MAX_NUM_SEQS": "8"}
+    cmd = [sys.executable, "-m", "chitu_core.serve", "--device", "cpu", "--dtype", "float32", "--port", str(port),
+           "--max-model-len", "2048", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the server did not come up in 240 s")
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_the_embedded_default_knows_the_capital_of_france(served):
+    client = openai.OpenAI(base_url=served + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=32,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"  # it ends its answer with the end-of-turn token
+
+
+def test_help_lists_every_option_with_its_default():
+    out = subprocess.run([sys.executable, "-m", "chitu_core.serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in ("--model", "--device", "--dtype", "--host", "--port", "--api-key", "--max-num-seqs",
+                 "--max-model-len", "--kv-cache-memory", "--enable-prefix-caching", "--served-model-name"):
+        assert flag in out.stdout, flag
+    assert "(default: 8000)" in out.stdout and "(default: 127.0.0.1)" in out.stdout
