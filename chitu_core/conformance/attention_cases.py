@@ -1,0 +1,220 @@
+"""Paged-attention cases: each attention backend a backend declares (the reference, as a fallback, if it
+declares none) against dense causal attention in float64, computed from the raw queries, keys and values.
+
+A case runs two steps through ``prepare`` and ``forward``, as the engine does. Step 1 writes every
+sequence's context (prefills, in chunks of at most ``CHUNK`` tokens); step 2 is the case's batch:
+prefills, decodes, chunked prefills, or a mix, after those contexts. Blocks come from a shuffled
+pool, block tables are padded with other sequences' block ids, last blocks are partly filled, and
+the cache is guarded (``guards.GuardedCache``): after every step only the blocks of that step's new
+tokens may have changed. Queries, keys, values and metadata are guarded operands.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.attention.reference import ReferenceAttention
+from chitu_core.conformance.case import Case, Outcome, Perf, Target, randn, raised, time_call
+from chitu_core.conformance.compare import Verdict, check_tensor, compare, worst
+from chitu_core.conformance.guards import GuardedCache, guard
+
+Tensor = torch.Tensor
+CHUNK = 1024  # longest prefill chunk of step 1
+CHECKED_CONTEXT = 1024  # step-1 outputs are compared with the oracle up to this many context tokens
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One case: head geometry, and per sequence (context tokens already cached, new tokens this step)."""
+
+    kind: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    seqs: tuple[tuple[int, int], ...]
+    scale: float | None = None  # None: 1/sqrt(head_dim)
+    layout: str = "padded"  # of q, k and v: slices of a fused projection, or contiguous
+
+
+PLANS = [
+    Plan("prefill", 4, 4, 64, ((0, 1), (0, 17), (0, 33), (0, 5)), layout="contiguous"),
+    Plan("decode", 8, 2, 128, ((1, 1), (15, 1), (16, 1), (17, 1), (100, 1), (257, 1))),
+    Plan("mixed", 8, 1, 64, ((0, 23), (1, 1), (300, 37), (16, 16), (5, 1), (0, 1), (63, 9))),
+    Plan("mixed", 16, 2, 128, ((0, 9), (40, 1), (129, 7))),
+    Plan("mixed", 4, 4, 128, ((20, 3), (0, 12), (7, 1))),
+    Plan("decode", 8, 2, 64, ((33, 1), (2, 1)), layout="contiguous"),
+    Plan("mixed", 6, 3, 96, ((10, 5), (0, 7), (31, 1))),
+    Plan("decode", 2, 1, 256, ((50, 1), (3, 1))),
+    Plan("mixed", 4, 2, 80, ((0, 13), (19, 2))),
+    Plan("prefill", 4, 2, 32, ((0, 40),)),
+    Plan("mixed", 4, 2, 64, ((0, 11), (20, 1), (37, 5)), scale=0.3),
+    Plan("long decode", 4, 1, 64, ((4093, 1), (2, 1))),
+    Plan("long chunked", 8, 2, 128, ((2047, 64), (0, 3))),
+]
+SWEEP = Plan("mixed", 4, 2, 64, ((0, 11), (20, 1), (37, 5)))  # run at every other block size a backend declares
+
+
+def allocate_blocks(gen: torch.Generator, lens: list[int], block_size: int, spare: int = 3) -> tuple[Tensor, int]:
+    """int32 block tables from a shuffled pool; entries past a sequence's blocks hold other sequences' ids."""
+    needed = [-(-n // block_size) for n in lens]
+    num_blocks = sum(needed) + spare
+    pool = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(0, num_blocks, (len(lens), max(needed) + 2), generator=gen)
+    start = 0
+    for row, n in zip(tables, needed):
+        row[:n] = pool[start : start + n]
+        start += n
+    return tables.to(torch.int32), num_blocks
+
+
+def metadata(tables: Tensor, context_lens: list[int], query_lens: list[int], block_size: int) -> AttentionMetadata:
+    """Host metadata for a step where sequence b has context_lens[b] cached and query_lens[b] new tokens."""
+    slots = []
+    for row, c, n in zip(tables.long(), context_lens, query_lens):
+        pos = torch.arange(c, c + n)
+        slots.append(row[pos // block_size] * block_size + pos % block_size)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    return AttentionMetadata(torch.cat(slots), tables, torch.tensor(seq_lens, dtype=torch.int32),
+                             torch.tensor(context_lens, dtype=torch.int32), qsl, max(query_lens), max(seq_lens),
+                             block_size)
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, context: int, scale: float) -> Tensor:
+    """float64 causal attention of q (positions context..context+n-1) over k, v (positions 0..L-1)."""
+    group = q.shape[1] // k.shape[1]
+    keys, values = k.double().repeat_interleave(group, dim=1), v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    visible = torch.arange(k.shape[0])[None, :] <= (context + torch.arange(q.shape[0]))[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+
+
+class Step:
+    """One guarded forward call: operands, metadata and the cache it writes."""
+
+    def __init__(self, case: Case, plan: Plan, attn: AttentionBackend, cache: GuardedCache, tables: Tensor,
+                 contexts: list[int], news: list[int], gen: torch.Generator, device: torch.device):
+        hq, hk, d, dtype = plan.num_heads, plan.num_kv_heads, plan.head_dim, case.dtype
+        total = sum(news)
+        self.host = (randn(gen, total, hq, d, dtype=dtype), randn(gen, total, hk, d, dtype=dtype),
+                     randn(gen, total, hk, d, dtype=dtype))
+        self.operands = [guard(t, device, plan.layout) for t in self.host]
+        meta = metadata(tables, contexts, news, attn.block_size)
+        self.meta_guards = [guard(getattr(meta, f), device) for f in ("slot_mapping", "block_tables", "seq_lens",
+                                                                      "context_lens", "query_start_loc")]
+        self.meta = AttentionMetadata(*(g.view for g in self.meta_guards), meta.max_query_len, meta.max_seq_len,
+                                      meta.block_size)
+        self.slots = meta.slot_mapping
+        self.bounds = meta.query_start_loc.tolist()
+        self.attn, self.cache, self.scale = attn, cache, plan.scale or 1 / math.sqrt(d)
+
+    def call(self) -> Tensor:
+        q, k, v = (g.view for g in self.operands)
+        return self.attn.forward(q, k, v, self.cache.cache, self.meta, self.scale)
+
+    def run(self) -> tuple[Tensor | None, str]:
+        """(output, problem): prepare and forward, then the guards."""
+        before = self.cache.snapshot()
+        try:
+            self.meta.backend_state = self.attn.prepare(self.meta)
+            out = self.call()
+        except Exception as exc:  # the backend's own failure is the case's result
+            return None, raised(exc, "attention").verdict.detail
+        for name, g in zip(("q", "k", "v", "slot_mapping", "block_tables", "seq_lens", "context_lens",
+                            "query_start_loc"), self.operands + self.meta_guards):
+            if problem := g.changed():
+                return None, f"attention wrote into its operand `{name}`: {problem}"
+        if problem := self.cache.check_writes(before, self.slots, self.attn.block_size):
+            return None, problem
+        shape = tuple(self.host[0].shape)
+        return out, check_tensor(out, shape, self.host[0].dtype, self.operands[0].view.device, "output")
+
+    def per_sequence(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        a, b = self.bounds[i], self.bounds[i + 1]
+        return tuple(t[a:b] for t in self.host)
+
+
+def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan, block_size: int,
+                       case: Case, target: Target) -> Outcome:
+    gen, device, dtype = case.generator(), target.device, case.dtype
+    try:
+        attn = attn_cls(plan.num_heads, plan.num_kv_heads, plan.head_dim, block_size, dtype, device)
+        contexts, news = [c for c, _ in plan.seqs], [n for _, n in plan.seqs]
+        tables, num_blocks = allocate_blocks(gen, [c + n for c, n in plan.seqs], block_size)
+        cache = GuardedCache.allocate(attn, num_blocks)
+    except Exception as exc:  # construction is part of what the backend declared it supports
+        return Outcome(raised(exc, f"{attn_cls.__name__} construction").verdict, source)
+    threshold = target.threshold(case)
+    verdicts: list[Verdict] = []
+    written: dict[int, tuple[list[Tensor], list[Tensor]]] = {b: ([], []) for b in range(len(plan.seqs))}
+    # Step 1, in chunks: every context, as prefills (several sequences per call).
+    done = [0] * len(plan.seqs)
+    while any(done[b] < c for b, c in enumerate(contexts)):
+        rows = [b for b, c in enumerate(contexts) if done[b] < c]
+        sub = [min(CHUNK, contexts[b] - done[b]) for b in rows]
+        step = Step(case, plan, attn, cache, tables[rows], [done[b] for b in rows], sub, gen, device)
+        out, problem = step.run()
+        if problem:
+            return Outcome(Verdict.fail(f"step 1 (writing the contexts): {problem}"), source)
+        for i, b in enumerate(rows):
+            q, k, v = step.per_sequence(i)
+            keys, values = written[b]
+            keys.append(k)
+            values.append(v)
+            got = out[step.bounds[i] : step.bounds[i + 1]]
+            if contexts[b] <= CHECKED_CONTEXT:
+                want = dense_attention(q, torch.cat(keys), torch.cat(values), done[b], step.scale)
+                verdicts.append(compare(got, want, threshold, f"step 1 sequence {b}"))
+            elif got.isnan().any():
+                return Outcome(Verdict.fail(f"step 1 sequence {b}: NaN in the output"), source)
+            done[b] += sub[i]
+    # Step 2: the case's batch.
+    step = Step(case, plan, attn, cache, tables, contexts, news, gen, device)
+    out, problem = step.run()
+    if problem:
+        return Outcome(Verdict.fail(f"step 2 ({plan.kind} batch): {problem}"), source)
+    for b in range(len(plan.seqs)):
+        q, k, v = step.per_sequence(b)
+        keys, values = written[b]
+        want = dense_attention(q, torch.cat(keys + [k]), torch.cat(values + [v]), contexts[b], step.scale)
+        verdicts.append(compare(out[step.bounds[b] : step.bounds[b + 1]], want, threshold, f"step 2 sequence {b}"))
+    perf = None
+    if target.perf is not None:
+        perf = _time(target, step, plan, dtype)
+    return Outcome(worst(verdicts), source, perf)
+
+
+def _time(target: Target, step: Step, plan: Plan, dtype: torch.dtype) -> Perf:
+    hq, hk, d = plan.num_heads, plan.num_kv_heads, plan.head_dim
+    item = torch.empty((), dtype=dtype).element_size()
+    tokens = sum(n for _, n in plan.seqs)
+    keys = sum(c + n for c, n in plan.seqs)
+    moved = item * (tokens * (2 * hq + 2 * hk) * d + keys * 2 * hk * d)
+    flops = sum(4 * n * (c + (n + 1) / 2) * hq * d for c, n in plan.seqs)
+    return time_call(target, step.call, moved, int(flops))
+
+
+def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
+    declared = dict(backend.attention_backends())
+    source = "native" if declared else "fallback"
+    backends = declared or {ReferenceAttention.name: ReferenceAttention}
+    cases = []
+    for name, cls in backends.items():
+        default = cls.block_sizes[0]
+        plans = [(p, default) for p in PLANS] + [(SWEEP, bs) for bs in cls.block_sizes[1:]]
+        for dtype in dtypes:
+            for plan, bs in plans:
+                params = {"backend": name, "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads,
+                          "head_dim": plan.head_dim, "block_size": bs, "kind": plan.kind,
+                          "max_seq_len": max(c + n for c, n in plan.seqs),
+                          "max_query_len": max(n for _, n in plan.seqs)}
+                lens = ",".join(f"{c}+{n}" for c, n in plan.seqs)
+                label = (f"{plan.kind} Hq={plan.num_heads} Hk={plan.num_kv_heads} D={plan.head_dim} bs={bs} "
+                         f"ctx+new={lens}" + (f" scale={plan.scale}" if plan.scale else ""))
+                cases.append(Case(f"attention/{name}", "attention", "attention", dtype, params, label,
+                                  partial(run_attention_case, cls, source, plan, bs)))
+    return cases

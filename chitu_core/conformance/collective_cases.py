@@ -1,0 +1,188 @@
+"""Collectives: the Communicator on two ranks of the backend's own process-group backend.
+
+The two ranks are spawned processes that load the backend by name (as torchrun would start them)
+and put rank r on device r mod device_count; ``supports()`` is asked with ``world_size`` and
+``device_count`` so that a backend whose process group needs one device per rank can decline on a
+one-device machine. Every value is a small integer, exact in every dtype, so results are compared
+exactly; operands that a collective does not own must come back unchanged.
+"""
+
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from chitu_core.conformance.case import Case, Outcome, Perf, PerfOptions, Target, time_call
+from chitu_core.conformance.compare import Verdict
+from chitu_core.conformance.thresholds import DTYPES, ThresholdBook, dtype_name
+
+WORLD = 2
+TIMEOUT_S = 180.0
+
+# (row, variant label, shape): what each rank does is in _check.
+VARIANTS = [
+    ("all_reduce", "4x6", (4, 6)), ("all_reduce", "6x4 transposed view, in place", (6, 4)),
+    ("all_reduce", "1048576", (1 << 20,)),
+    ("all_gather", "4x6 dim 0", (4, 6)), ("all_gather", "4x6 dim -1", (4, 6)),
+    ("all_gather", "6x4 transposed view, dim 0", (6, 4)),
+    ("reduce_scatter", "4x6 dim 0", (4, 6)), ("reduce_scatter", "4x6 dim -1", (4, 6)),
+    ("broadcast", "4x6 from rank 0", (4, 6)), ("broadcast", "4x6 from rank 1", (4, 6)),
+    ("broadcast", "6x4 transposed view from rank 1", (6, 4)),
+    ("send_recv", "transposed view sent, received into a column", (6, 4)),
+]
+
+
+def rank_values(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Element i of rank r: (i mod 31) - 15 + 40 (r + 1); distinct within 31 elements, sums exact in 8 bits."""
+    n = 1
+    for s in shape:
+        n *= s
+    return ((torch.arange(n) % 31) - 15 + 40 * (rank + 1)).reshape(shape).to(dtype)
+
+
+def _check(comm, row: str, label: str, shape, dtype, device) -> tuple[str, object]:
+    """(problem or "", the call to time) for one variant on this rank."""
+    rank = comm.rank
+    mine = rank_values(rank, shape, dtype).to(device)
+    every = [rank_values(r, shape, dtype).to(device) for r in range(WORLD)]
+    total = sum(every)
+    if row == "all_reduce":
+        x = mine.t().contiguous().t() if "transposed" in label else mine.clone()
+        out = comm.all_reduce(x)
+        if out is not x:
+            return "all_reduce did not return its argument (it works in place)", None
+        return ("" if torch.equal(x, total) else "all_reduce: the sum differs"), lambda: comm.all_reduce(x)
+    if row == "all_gather":
+        dim = -1 if "dim -1" in label else 0
+        x = mine.t().contiguous().t() if "transposed" in label else mine.clone()
+        out = comm.all_gather(x, dim=dim)
+        if not torch.equal(x, mine):
+            return "all_gather modified its operand", None
+        return ("" if torch.equal(out, torch.cat(every, dim=dim)) else f"all_gather(dim={dim}): wrong result",
+                lambda: comm.all_gather(x, dim=dim))
+    if row == "reduce_scatter":
+        dim = -1 if "dim -1" in label else 0
+        x = mine.clone()
+        out = comm.reduce_scatter(x, dim=dim)
+        if not torch.equal(x, mine):
+            return "reduce_scatter modified its operand", None
+        want = total.chunk(WORLD, dim=dim)[rank]
+        return ("" if torch.equal(out, want) else f"reduce_scatter(dim={dim}): wrong part",
+                lambda: comm.reduce_scatter(x, dim=dim))
+    if row == "broadcast":
+        src = 1 if "rank 1" in label else 0
+        x = mine.t().contiguous().t() if "transposed" in label else mine.clone()
+        out = comm.broadcast(x, src=src)
+        ok = out is x and torch.equal(x, every[src])
+        return ("" if ok else f"broadcast(src={src}): wrong result"), lambda: comm.broadcast(x, src=src)
+    if row == "send_recv":
+        if rank == 0:
+            comm.send(every[0].t(), dst=1)
+            return "", None
+        buffer = torch.full((shape[1], shape[0] + 2), -99, dtype=dtype, device=device)
+        got = comm.recv(buffer[:, 1 : 1 + shape[0]], src=0)
+        ok = torch.equal(got, every[0].t()) and bool((buffer[:, 0] == -99).all() and (buffer[:, -1] == -99).all())
+        return ("" if ok else "recv into a view: wrong values, or written outside the view"), None
+    raise ValueError(row)
+
+
+@dataclass
+class RankResult:
+    key: str
+    problem: str
+    perf_us: float | None = None
+    gbps: float | None = None
+
+
+def _rank_main(rank: int, port: int, backend_name: str, todo: list[tuple[str, str, str]], out_dir: str,
+               perf: dict | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    import torch.distributed as dist
+
+    from chitu_core.distributed.communicator import Communicator
+    from chitu_core.plugins.discovery import backend_ops, get_backend
+
+    backend = get_backend(backend_name)
+    device = backend.device(rank % max(backend.device_count(), 1))
+    comm = Communicator.from_env(backend.process_group_backend())
+    shapes = {(row, label): shape for row, label, shape in VARIANTS}
+    results = []
+    try:
+        for row, label, dtype_str in todo:
+            dtype = getattr(torch, dtype_str)
+            key = f"{row}|{label}|{dtype_str}"
+            try:
+                problem, call = _check(comm, row, label, shapes[(row, label)], dtype, device)
+            except Exception as exc:  # the backend's own failure is the case's result
+                problem, call = f"raised {type(exc).__name__}: {exc}", None
+            result = RankResult(key, problem)
+            # Time only where both ranks have a call that passed: a collective timed on one rank alone hangs.
+            ready = torch.tensor([int(call is not None and not problem)], dtype=torch.int32, device=device)
+            if perf is not None and int(comm.all_reduce(ready)) == WORLD:
+                n = 1
+                for s in shapes[(row, label)]:
+                    n *= s
+                target = Target(backend, backend_ops(backend), device, ThresholdBook(), PerfOptions(**perf))
+                # Both ranks must make the same number of calls: one per repeat, not a calibrated count.
+                p = time_call(target, call, n * torch.empty((), dtype=dtype).element_size(), calls=1)
+                result.perf_us, result.gbps = p.median_us, p.gbps
+            results.append(asdict(result))
+            dist.barrier()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CollectiveBatch:
+    """Runs every selected collective case in one group of two spawned ranks."""
+
+    def run_all(self, target: Target, cases: list[Case]) -> list[Outcome]:
+        import torch.multiprocessing as mp
+
+        todo = [(c.row, c.label, dtype_name(c.dtype)) for c in cases]
+        perf = None if target.perf is None else {"warmup": target.perf.warmup, "repeats": target.perf.repeats}
+        with tempfile.TemporaryDirectory() as out_dir:
+            ctx = mp.start_processes(_rank_main, args=(_free_port(), target.backend.name, todo, out_dir, perf),
+                                     nprocs=WORLD, join=False, start_method="spawn")
+            deadline = time.monotonic() + TIMEOUT_S
+            try:
+                while not ctx.join(timeout=1.0):
+                    if time.monotonic() > deadline:
+                        for p in ctx.processes:
+                            p.kill()
+                        return [Outcome(Verdict.fail(f"the two ranks did not finish within {TIMEOUT_S:.0f} s"))] * len(cases)
+            except Exception as exc:  # a rank died: every case of the group fails with its error
+                detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                return [Outcome(Verdict.fail(f"a rank failed: {detail}"))] * len(cases)
+            ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+        outcomes = []
+        for i, _ in enumerate(cases):
+            problems = [f"rank {r}: {rows[i]['problem']}" for r, rows in enumerate(ranks) if rows[i]["problem"]]
+            verdict = Verdict(False, 1.0, 0.0, "; ".join(problems)) if problems else Verdict(True, 0.0, 0.0)
+            us = ranks[0][i]["perf_us"]
+            outcomes.append(Outcome(verdict, "native", Perf(us, ranks[0][i]["gbps"]) if us else None))
+        return outcomes
+
+
+def collective_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
+    batch = CollectiveBatch()
+    cases = []
+    for dtype in dtypes:
+        if dtype not in DTYPES:
+            continue
+        for row, label, _ in VARIANTS:
+            params = {"world_size": WORLD, "device_count": backend.device_count(),
+                      "process_group_backend": backend.process_group_backend()}
+            cases.append(Case(row, row, "collective", dtype, params, label, batch=batch))
+    return cases

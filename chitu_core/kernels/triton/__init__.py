@@ -1,0 +1,15 @@
+"""Portable Triton kernels for the op and attention contracts; a backend opts in, the core never calls them.
+
+One module per kernel family, each a launcher that matches its contract op exactly:
+
+  rms_norm.py         rms_norm, fused_add_rms_norm
+  activation.py       silu_and_mul, gelu_and_mul
+  rotary.py           rotary_embedding (neox and interleaved, partial rotary dim),
+                      and rotary fused with the KV-cache write
+  kv_cache.py         the KV-cache write (slot_mapping scatter)
+  paged_attention.py  paged attention for mixed prefill/decode batches, with split-KV decode
+  attention.py        ``TritonPagedAttention``, the AttentionBackend over the two above
+  ops.py              ``TRITON_OPS``: the op-contract names these kernels serve
+
+Importing this package does not import triton; importing any module above does.
+"""

@@ -1,0 +1,80 @@
+"""``TritonPagedAttention``: the attention contract on the portable Triton kernels.
+
+A Triton-capable backend opts in by returning it from ``attention_backends()``.
+Cache layout [2, num_blocks, block_size, num_kv_heads, head_dim] (kv_cache.py).
+``prepare`` plans the step once (tile shapes, split-KV or not, the split
+workspace) from host ints only, so it never waits on the device; every layer's
+``forward`` then writes its keys and values and runs one attention launch (two
+with split-KV). A model may instead call ``rotary_and_write_kv`` (RoPE fused
+with the cache write) and then ``attend``, skipping the separate write.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.kernels.triton.kv_cache import write_kv
+from chitu_core.kernels.triton.paged_attention import AttentionPlan, paged_attention, plan, split_workspace
+from chitu_core.kernels.triton.rotary import rotary_embedding_and_write_kv
+
+Tensor = torch.Tensor
+
+
+def num_compute_units(device: torch.device) -> int:
+    """Multiprocessors (or the device's equivalent) of ``device``; 64 where torch does not say."""
+    try:
+        return int(getattr(torch, device.type).get_device_properties(device).multi_processor_count)
+    except (AttributeError, RuntimeError, AssertionError):
+        return 64
+
+
+@dataclass
+class TritonStepState:
+    plan: AttentionPlan
+    workspace: tuple[Tensor, Tensor, Tensor] | None  # split-KV partials, shared by the step's layers
+
+
+class TritonPagedAttention(AttentionBackend):
+    name = "triton"
+    block_sizes = (16, 1, 8, 32, 64, 128)
+    force_num_splits: int | None = None
+    """Set (tests, tuning) to force a split-KV count instead of the planner's choice."""
+    float32_dot_precision: str = "ieee"
+    """tl.dot's input_precision in a float32 cache; a backend's subclass may pick a faster one of
+    float32 accuracy its device offers."""
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, dtype, device):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+        self.num_compute_units = num_compute_units(torch.device(device))
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def prepare(self, meta: AttentionMetadata) -> TritonStepState:
+        step = plan(self.num_heads, self.num_kv_heads, meta.max_query_len, meta.num_seqs, meta.max_seq_len,
+                    self.num_compute_units, self.force_num_splits, self.dtype.itemsize)
+        workspace = None
+        if step.num_splits > 1:
+            workspace = split_workspace(meta.slot_mapping.shape[0], self.num_heads, self.head_dim, step.num_splits,
+                                        meta.slot_mapping.device)
+        return TritonStepState(step, workspace)
+
+    def _state(self, meta: AttentionMetadata) -> TritonStepState:
+        return meta.backend_state if isinstance(meta.backend_state, TritonStepState) else self.prepare(meta)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale)
+
+    def attend(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        """``forward`` without the cache write: the step's keys and values are already in ``kv_cache``."""
+        state = self._state(meta)
+        return paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                               state.plan, state.workspace, self.float32_dot_precision)
+
+    def rotary_and_write_kv(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor,
+                            is_neox: bool, kv_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """The op ``rotary_embedding`` (returns the rotated q, k) fused with the cache write of the
+        rotated k and of v; follow it with ``attend``."""
+        return rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, meta.slot_mapping)

@@ -1,0 +1,17 @@
+"""Launcher helpers shared by the kernel families."""
+
+import torch
+import triton
+
+
+def pow2(n: int, at_least: int = 1) -> int:
+    """The smallest power of two >= max(n, at_least): Triton block shapes are powers of two."""
+    return max(triton.next_power_of_2(max(n, 1)), at_least)
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., H] as a 2-D [rows, H] view with any strides, or a contiguous copy where no view exists."""
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1])

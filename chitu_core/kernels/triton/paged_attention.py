@@ -1,0 +1,213 @@
+"""Paged attention of the attention contract (``chitu_core.attention.contract``): one Triton kernel
+family for prefill, decode and mixed batches, with a split-KV variant for long decodes.
+
+Layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (kv_cache.py), read
+through each sequence's block table one key at a time, so any block size works.
+
+``_attention_kernel``: one program per (query block of one sequence, kv head[,
+split]). Its BLOCK_M rows are BLOCK_M / GROUP_P consecutive query tokens times
+the GROUP query heads that share the kv head (GQA: keys and values are loaded
+once for the whole group). It walks the sequence's keys in tiles of BLOCK_N
+with a flash-attention online softmax in float32 (exp2, the scale folded into
+log2 units), masking keys after each token's position (causal) and past the
+sequence. Programs find their sequence by binary search over query_start_loc,
+so the grid is the bound T // BLOCK_Q + B and needs no host-side index.
+
+Split-KV (decode with few sequences and long contexts): a third grid axis splits
+each sequence's key tiles into ``num_splits`` ranges; each program writes its
+unnormalised accumulator, running max and sum, and ``_reduce_splits_kernel``
+combines them. ``plan`` picks the tile shapes and the split count from host ints.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from chitu_core.kernels.triton.common import pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence b whose first query block, query_start_loc[b] // BLOCK_Q + b, is <= pid."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc + mid) // BLOCK_Q + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attention_kernel(
+    out, part_acc, part_max, part_sum,
+    q, cache, block_tables, seq_lens, query_start_loc,
+    scale_log2, num_seqs, num_heads, num_splits,
+    stride_qt, stride_qh, stride_qd, stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    q_first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_first >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_pos = q_first + rows // GROUP_P  # each row's token among the sequence's new tokens
+    head = kv_head * GROUP + rows % GROUP_P
+    row_ok = (q_pos < q_len) & (rows % GROUP_P < GROUP)
+    d = tl.arange(0, HEAD_P)
+    d_ok = d < HEAD_DIM
+    token = (q_start + q_pos).to(tl.int64)
+    q_tile = tl.load(q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_abs = context + q_pos
+    kv_end = tl.minimum(seq_len, context + q_first + BLOCK_Q)  # no row sees a key past its last token
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    if SPLIT:
+        per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = tl.program_id(2) * per_split
+        tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
+    kv = cache + kv_head * stride_c_head
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_end
+        block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot = block * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_tok
+        k_tile = tl.load(kv + slot[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q_tile, k_tile, input_precision=PRECISION, out_dtype=tl.float32) * scale_log2
+        s = tl.where((k_pos[None, :] <= q_abs[:, None]) & k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_tile = tl.load(kv + stride_c_kv + slot[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc=acc * alpha[:, None], input_precision=PRECISION,
+                     out_dtype=tl.float32)
+        m_i = m_new
+
+    if SPLIT:
+        part = (token * num_heads + head) * num_splits + tl.program_id(2)
+        tl.store(part_acc + part[:, None] * HEAD_P + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_max + part, m_i, mask=row_ok)
+        tl.store(part_sum + part, l_i, mask=row_ok)
+    else:
+        result = acc / l_i[:, None]
+        tl.store(out + (token * num_heads + head)[:, None] * HEAD_DIM + d[None, :],
+                 result.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(out, part_acc, part_max, part_sum, num_heads, num_splits,
+                          HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SPLITS_P: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * num_heads + tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    s_ok = s < num_splits
+    m = tl.load(part_max + row * num_splits + s, mask=s_ok, other=float("-inf"))
+    weight = tl.where(s_ok, tl.exp2(m - tl.max(m, axis=0)), 0.0)  # an empty split has m = -inf: weight 0
+    total = tl.sum(tl.load(part_sum + row * num_splits + s, mask=s_ok, other=0.0) * weight, axis=0)
+    d = tl.arange(0, HEAD_P)
+    acc = tl.load(part_acc + (row * num_splits + s)[:, None] * HEAD_P + d[None, :], mask=s_ok[:, None], other=0.0)
+    result = tl.sum(acc * weight[:, None], axis=0) / total
+    tl.store(out + row * HEAD_DIM + d, result.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Tile shapes and split count for one step (every layer of the step shares it)."""
+
+    block_m: int
+    block_n: int
+    num_splits: int  # 1: no split
+    num_warps: int
+
+
+def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, max_seq_len: int,
+         num_compute_units: int, num_splits: int | None = None, dtype_bytes: int = 2) -> AttentionPlan:
+    """Decode-sized query blocks (16 rows) when every sequence brings few tokens, else 64 rows; key
+    tiles of 64 (32 in float32, whose tiles would otherwise need ~200 KB of shared memory). Split
+    the keys only in pure decode steps whose (sequence, kv head) programs would leave the device
+    under-filled (fewer than 2 per compute unit) and whose contexts are long (>= 512 keys), into at
+    most 16 ranges of at least 256 keys. ``num_splits`` forces a count (tests, tuning)."""
+    group_p = pow2(num_heads // num_kv_heads)
+    small = max_query_len * group_p <= 16
+    block_m = max(16 if small else 64, group_p)
+    if num_splits is None:
+        num_splits = 1
+        programs, target = num_seqs * num_kv_heads, 2 * num_compute_units
+        if max_query_len == 1 and programs < target and max_seq_len >= 512:
+            num_splits = max(1, min(16, -(-target // programs), max_seq_len // 256))
+    return AttentionPlan(block_m, 64 if dtype_bytes <= 2 else 32, num_splits, 4 if block_m <= 64 else 8)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, step: AttentionPlan,
+                    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    float32_precision: str = "ieee") -> torch.Tensor:
+    """q: [T, Hq, D] (any strides); kv_cache already holds this step's keys and values.
+
+    Returns [T, Hq, D] in q's dtype: causal attention of each token over its sequence's cached
+    keys. ``workspace`` (see ``split_workspace``) is needed when ``step.num_splits`` > 1.
+    ``float32_precision`` is tl.dot's input_precision for a float32 cache: "ieee" everywhere;
+    a device may offer faster ones of float32 accuracy (NVIDIA: "tf32x3")."""
+    t, num_heads, dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    out = torch.empty((t, num_heads, dim), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    if q.dtype != kv_cache.dtype:
+        q = q.to(kv_cache.dtype)
+    group = num_heads // num_kv_heads
+    group_p, head_p = pow2(group), pow2(dim, at_least=16)
+    num_seqs = seq_lens.shape[0]
+    split = step.num_splits > 1
+    if split and workspace is None:
+        workspace = split_workspace(t, num_heads, dim, step.num_splits, q.device)
+    part_acc, part_max, part_sum = workspace if split else (out, out, out)
+    grid = (t // (step.block_m // group_p) + num_seqs, num_kv_heads, step.num_splits)
+    _attention_kernel[grid](
+        out, part_acc, part_max, part_sum, q, kv_cache, block_tables, seq_lens, query_start_loc,
+        scale * LOG2E, num_seqs, num_heads, step.num_splits,
+        *q.stride(), *kv_cache.stride()[:4], block_tables.stride(0),
+        GROUP=group, GROUP_P=group_p, BLOCK_M=step.block_m, BLOCK_N=step.block_n, HEAD_DIM=dim, HEAD_P=head_p,
+        BLOCK_SIZE=kv_cache.shape[2], SPLIT=split,
+        PRECISION=float32_precision if q.dtype == torch.float32 else "tf32",  # ignored for 16-bit inputs
+        num_warps=step.num_warps,
+    )
+    if split:
+        _reduce_splits_kernel[(t, num_heads)](out, part_acc, part_max, part_sum, num_heads, step.num_splits,
+                                              HEAD_DIM=dim, HEAD_P=head_p, SPLITS_P=pow2(step.num_splits),
+                                              num_warps=4)
+    return out
+
+
+def split_workspace(num_tokens: int, num_heads: int, head_dim: int, num_splits: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 buffers for split partials: accumulators [T, Hq, S, HEAD_P], maxima and sums [T, Hq, S]."""
+    shape = (num_tokens, num_heads, num_splits)
+    return (torch.empty((*shape, pow2(head_dim, at_least=16)), dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device))

@@ -1,0 +1,84 @@
+"""The NVIDIA backend: CUDA devices through PyTorch, the portable Triton kernels, NCCL collectives.
+
+Nothing here imports triton when the module loads: on a machine without triton or
+a GPU, ``python -m chitu_core.plugins`` lists this backend as unavailable with the
+reason, and the op table it reports holds the PyTorch ops only.
+"""
+
+import importlib.util
+
+import torch
+
+from chitu_core.backend import Availability, Backend, MemoryInfo
+from chitu_nvidia.ops import native_ops
+
+KV_CACHE_SHARE = 0.9
+"""Share of the free device memory (after weights) the KV cache may take when the user sets no size."""
+KV_CACHE_MARGIN = 1 << 30
+"""Kept back besides: activations of the largest step, cuBLAS workspaces, split-KV partials, the
+allocator's fragmentation."""
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class NvidiaBackend(Backend):
+    name = "nvidia"
+    device_type = "cuda"
+    contract_version = "1.0"
+    priority = 100
+
+    def is_available(self) -> Availability:
+        if torch.version.cuda is None:
+            return Availability(False, f"PyTorch {torch.__version__} is not a CUDA build; install a CUDA build of torch")
+        if not _triton_installed():
+            return Availability(False, "triton is not installed; pip install triton (CUDA builds of torch bring it)")
+        if not torch.cuda.is_available():
+            return Availability(False, "no CUDA device is visible (check the driver, and CUDA_VISIBLE_DEVICES)")
+        major, minor = torch.cuda.get_device_capability(0)
+        if major < 8:
+            return Availability(False, f"{torch.cuda.get_device_name(0)} has compute capability {major}.{minor}; "
+                                       "the Triton kernels need 8.0 (Ampere) or newer")
+        return Availability(True)
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def device_name(self, index: int = 0) -> str:
+        return torch.cuda.get_device_name(index)
+
+    def memory_info(self, index: int = 0) -> MemoryInfo:
+        free, total = torch.cuda.mem_get_info(index)
+        return MemoryInfo(total, free)
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.bfloat16, torch.float16, torch.float32)
+
+    def synchronize(self, index: int = 0) -> None:
+        torch.cuda.synchronize(index)
+
+    def native_ops(self):
+        return native_ops(with_triton=_triton_installed())
+
+    def attention_backends(self):
+        if not _triton_installed():
+            return {}
+        from chitu_nvidia.attention import NvidiaTritonAttention
+
+        return {NvidiaTritonAttention.name: NvidiaTritonAttention}
+
+    def process_group_backend(self) -> str:
+        return "nccl"
+
+    def graph_runner(self):
+        """None for now: decode steps run eagerly. CUDA graphs (captured per batch-size bucket) are
+        the next slice of this backend."""
+        return None
+
+    def kv_cache_budget(self, index: int = 0) -> int:
+        """KV_CACHE_SHARE of the memory free after the weights are loaded (what the driver reports
+        free plus what PyTorch's allocator holds unused), less KV_CACHE_MARGIN."""
+        free = self.memory_info(index).free_bytes
+        free += torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return max(0, int(free * KV_CACHE_SHARE) - KV_CACHE_MARGIN)

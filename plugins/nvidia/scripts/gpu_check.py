@@ -1,0 +1,475 @@
+"""GPU check of the NVIDIA backend, in one run: kernels against the float64 reference, their speed,
+and a random-weight Llama-3.1-8B end to end against transformers.
+
+  (a) every Triton kernel on Llama-3.1-8B shapes in bfloat16 and float32: max error and NMSE
+      (||got - want||^2 / ||want||^2) against the reference ops in float64;
+  (b) their median time (triton.testing.do_bench) against the reference ops in the same dtype,
+      and GB/s against the measured device-to-device copy bandwidth (bytes read + written);
+  (c) the model through LLM(device="nvidia", dtype="bfloat16"), greedy 32 tokens for prompts of
+      several lengths in one batch, against transformers on the same weights: tokens, each step's
+      margin under transformers' logits (teacher-forced on our tokens: 0 where ours is its argmax),
+      the NMSE of the prompts' last-token logits, and both bfloat16 runs (ours, transformers')
+      against transformers in float32 on the same weights and inputs, bfloat16's own noise;
+  (d) decode throughput at batch 1 and 64 (input 128, output 256, ignore_eos) with the offline
+      benchmark's run_batch, transformers' generate at batch 1, the byte floor (weight bytes over
+      the copy bandwidth), and a torch.profiler table of a few decode steps;
+  (e) a sweep of the attention kernel's tile shapes (section ``sweep``).
+
+The weights are made on the GPU (from_config) and saved to local disk there; nothing is carried.
+Writes gpu_check.json and profile.txt under $OUT (or the current folder); prints a table last.
+On the lent machine (torch, triton and transformers installed; `bash ../shared/gpu/wheels.sh` puts
+the rest in .whl, with setuptools>=77 to build our three distributions), from the repository root:
+
+    pip install --no-index --no-deps --target ~/site .whl/*.whl  (setuptools into ~/bt instead)
+    PYTHONPATH=~/bt pip install --no-index --no-deps --no-build-isolation --target ~/chitu . ./models ./plugins/nvidia
+    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/gpu_check.py [SECTION ...]
+"""
+
+import functools
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from chitu_core.attention.contract import AttentionMetadata
+from chitu_core.attention.reference import paged_attention as reference_attention
+from chitu_core.kernels.triton.kv_cache import write_kv
+from chitu_core.kernels.triton.ops import TRITON_OPS
+from chitu_core.kernels.triton.paged_attention import AttentionPlan, paged_attention
+from chitu_core.kernels.triton.rotary import rotary_embedding, rotary_embedding_and_write_kv
+from chitu_core.ops import reference
+from chitu_nvidia.backend import NvidiaBackend
+
+DEV = torch.device("cuda")
+OUT = Path(os.environ.get("OUT", "."))
+HIDDEN, INTER, HQ, HK, HEAD_DIM, BLOCK, VOCAB = 4096, 14336, 32, 8, 128, 16, 128256  # Llama-3.1-8B
+TOKENS = 8192  # rows of the op checks
+RESULTS: dict = {"ops": [], "attention": [], "sweep": [], "errors": []}
+ATTENTION = next(iter(NvidiaBackend().attention_backends().values()))
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def section(fn):
+    """Run one section; a failure is recorded and the next section still runs."""
+    @functools.wraps(fn)
+    def run():
+        start = time.time()
+        try:
+            fn()
+        except Exception as exc:  # report and carry on: one call must say as much as it can
+            RESULTS["errors"].append(f"{fn.__name__}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        log(f"[{fn.__name__} {time.time() - start:.1f} s]")
+    return run
+
+
+def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
+    g, w = got.double(), want.double()
+    return float(((g - w) ** 2).sum() / (w**2).sum().clamp_min(1e-300))
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def f64(a):
+    return a.double() if torch.is_tensor(a) and a.is_floating_point() else a
+
+
+@section
+def environment():
+    props = torch.cuda.get_device_properties(DEV)
+    import transformers
+
+    RESULTS["device"] = f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"
+    RESULTS["versions"] = f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
+    a = torch.empty(1 << 31, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    RESULTS["copy_gbps"] = 2 * a.numel() / time_ms(lambda: b.copy_(a)) / 1e6
+    log(RESULTS["device"], "|", RESULTS["versions"], f"| copy {RESULTS['copy_gbps']:.0f} GB/s")
+
+
+def op_row(name: str, dtype: torch.dtype, shape: str, args: tuple, kwargs: dict, nbytes: int) -> None:
+    ours, ref = TRITON_OPS[name], getattr(reference, name)
+    got, want = ours(*args, **kwargs), ref(*[f64(a) for a in args], **kwargs)
+    pairs = list(zip(got, want)) if isinstance(got, tuple) else [(got, want)]
+    ms, ref_ms = time_ms(lambda: ours(*args, **kwargs)), time_ms(lambda: ref(*args, **kwargs))
+    RESULTS["ops"].append(dict(
+        kernel=name, dtype=str(dtype).removeprefix("torch."), shape=shape,
+        max_err=max(float((g.double() - w).abs().max()) for g, w in pairs),
+        nmse=max(nmse(g, w) for g, w in pairs), finite=all(bool(g.isfinite().all()) for g, _ in pairs),
+        ms=ms, ref_ms=ref_ms, gbps=nbytes / ms / 1e6))
+
+
+def index_copy_kv(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+@section
+def ops():
+    t = TOKENS
+    for dtype in (torch.bfloat16, torch.float32):
+        e = torch.empty((), dtype=dtype).element_size()
+        x, r = (torch.randn(t, HIDDEN, device=DEV, dtype=dtype) for _ in range(2))
+        w = torch.randn(HIDDEN, device=DEV, dtype=dtype) * 0.1 + 1
+        op_row("rms_norm", dtype, f"{t}x{HIDDEN}", (x, w, 1e-5), {}, 2 * x.numel() * e)
+        op_row("fused_add_rms_norm", dtype, f"{t}x{HIDDEN}", (x, r, w, 1e-5), {}, 4 * x.numel() * e)
+        gate_up = torch.randn(t, 2 * INTER, device=DEV, dtype=dtype)
+        op_row("silu_and_mul", dtype, f"{t}x{2 * INTER}", (gate_up,), {}, 3 * t * INTER * e)
+        del x, r, gate_up
+        qkv = torch.randn(t, HQ + 2 * HK, HEAD_DIM, device=DEV, dtype=dtype)  # q, k: slices of the projection
+        q, k = qkv[:, :HQ], qkv[:, HQ : HQ + HK]
+        positions = torch.randint(0, 131072, (t,), device=DEV)
+        angles = torch.rand(131072, HEAD_DIM // 2, device=DEV, dtype=torch.float64) * 100
+        cos_sin = torch.cat((angles.cos(), angles.sin()), -1).float()
+        for neox in (True, False):
+            op_row("rotary_embedding", dtype, f"{t}x({HQ}+{HK})x{HEAD_DIM} {'neox' if neox else 'interleaved'}",
+                   (positions, q, k, cos_sin, neox), {}, 2 * t * (HQ + HK) * HEAD_DIM * e)
+        v = qkv[:, HQ + HK :]
+        cache = torch.zeros(2, t // BLOCK + 4, BLOCK, HK, HEAD_DIM, device=DEV, dtype=dtype)
+        slots = torch.randperm(cache[0].numel() // (HK * HEAD_DIM), device=DEV)[:t]
+        write_kv(cache, k, v, slots)
+        flat = cache.view(2, -1, HK, HEAD_DIM)
+        exact = bool(torch.equal(flat[0][slots], k) and torch.equal(flat[1][slots], v))
+        ms = time_ms(lambda: write_kv(cache, k, v, slots))
+        ref_ms = time_ms(lambda: index_copy_kv(flat, k, v, slots))
+        RESULTS["ops"].append(dict(kernel="write_kv", dtype=str(dtype).removeprefix("torch."), shape=f"{t}x{HK}x{HEAD_DIM}",
+                                   max_err=0.0 if exact else float("nan"), nmse=0.0 if exact else float("nan"), finite=True,
+                                   ms=ms, ref_ms=ref_ms, gbps=4 * t * HK * HEAD_DIM * e / ms / 1e6))
+        fused = lambda: rotary_embedding_and_write_kv(positions, q, k, v, cos_sin, True, cache, slots)  # noqa: E731
+        fq, fk = fused()
+        rq, rk = rotary_embedding(positions, q, k, cos_sin, True)
+        exact = bool(torch.equal(fq, rq) and torch.equal(fk, rk) and torch.equal(flat[0][slots], rk)
+                     and torch.equal(flat[1][slots], v))
+        ms = time_ms(fused)
+        separate_ms = time_ms(lambda: (rotary_embedding(positions, q, k, cos_sin, True), write_kv(cache, k, v, slots)))
+        RESULTS["ops"].append(dict(kernel="rotary+write_kv", dtype=str(dtype).removeprefix("torch."),
+                                   shape=f"{t}x({HQ}+{HK})x{HEAD_DIM} fused; ref=separate", max_err=0.0 if exact else float("nan"),
+                                   nmse=0.0 if exact else float("nan"), finite=True, ms=ms, ref_ms=separate_ms,
+                                   gbps=(2 * t * (HQ + HK) + 3 * t * HK) * HEAD_DIM * e / ms / 1e6))
+        del qkv, cache, angles, cos_sin
+    torch.cuda.empty_cache()
+
+
+def attention_step(contexts: list[int], news: list[int], dtype: torch.dtype, splits: int | None = None) -> dict:
+    """One step of paged attention on Llama-3.1-8B heads: shuffled blocks, the cache random where written,
+    the backend's attention prepared for it, and the float64 reference output."""
+    lens = [c + n for c, n in zip(contexts, news)]
+    needed = [-(-n // BLOCK) for n in lens]
+    num_blocks = sum(needed) + 8
+    pool = torch.randperm(num_blocks)
+    tables = torch.zeros(len(lens), max(needed), dtype=torch.int32)
+    start = 0
+    for row, n in zip(tables, needed):
+        row[:n], start = pool[start : start + n], start + n
+    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, news)])
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(news))
+    slots = (tables[seq, pos // BLOCK].long() * BLOCK + pos % BLOCK).to(DEV)
+    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(news).cumsum(0)
+    meta = AttentionMetadata(slots, tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
+                             torch.tensor(contexts, dtype=torch.int32, device=DEV), qsl.to(DEV), max(news), max(lens), BLOCK)
+    cache = torch.randn(2, num_blocks, BLOCK, HK, HEAD_DIM, device=DEV, dtype=dtype)
+    flat = cache.view(2, -1, HK, HEAD_DIM)
+    q = torch.randn(len(pos), HQ, HEAD_DIM, device=DEV, dtype=dtype)
+    k, v = flat[0][slots].clone(), flat[1][slots].clone()  # the step rewrites what the cache holds
+    attn = ATTENTION(HQ, HK, HEAD_DIM, BLOCK, dtype, DEV)
+    attn.force_num_splits = splits
+    meta.backend_state = attn.prepare(meta)
+    scale = HEAD_DIM**-0.5
+    want = reference_attention(q.double(), k.double(), v.double(), cache.double(), meta, scale)
+    e = cache.element_size()
+    return dict(attn=attn, q=q, k=k, v=v, cache=cache, meta=meta, scale=scale, want=want, lens=lens,
+                nbytes=sum(lens) * HK * HEAD_DIM * 2 * e + 2 * q.numel() * e,
+                flops=4 * HQ * HEAD_DIM * sum(n * c + n * (n + 1) // 2 for c, n in zip(contexts, news)))
+
+
+def attention_row(label: str, contexts: list[int], news: list[int], dtype: torch.dtype, splits: int | None = None,
+                  sdpa: bool = False) -> None:
+    st = attention_step(contexts, news, dtype, splits)
+    attn, q, k, v, cache, meta, scale = (st[n] for n in ("attn", "q", "k", "v", "cache", "meta", "scale"))
+    got = attn.forward(q, k, v, cache, meta, scale)
+    ms = time_ms(lambda: attn.forward(q, k, v, cache, meta, scale))
+    small = len(q) * max(st["lens"]) <= 1 << 24
+    ref_ms = time_ms(lambda: reference_attention(q, k, v, cache, meta, scale)) if small else float("nan")
+    row = dict(case=label, dtype=str(dtype).removeprefix("torch."), splits=meta.backend_state.plan.num_splits,
+               block_m=meta.backend_state.plan.block_m, max_err=float((got.double() - st["want"]).abs().max()),
+               nmse=nmse(got, st["want"]), finite=bool(got.isfinite().all()), ms=ms, ref_ms=ref_ms,
+               gbps=st["nbytes"] / ms / 1e6, tflops=st["flops"] / ms / 1e9)
+    if sdpa:  # the same attention on dense tensors through PyTorch's SDPA, for scale (equal lengths only)
+        b, n, c = len(st["lens"]), news[0], contexts[0]
+        qd = torch.randn(b, HQ, n, HEAD_DIM, device=DEV, dtype=dtype)
+        kd, vd = (torch.randn(b, HK, c + n, HEAD_DIM, device=DEV, dtype=dtype) for _ in range(2))
+        causal = c == 0 and n > 1
+        row["sdpa_ms"] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qd, kd, vd, is_causal=causal, enable_gqa=True))
+    RESULTS["attention"].append(row)
+
+
+@section
+def attention():
+    for dtype in (torch.bfloat16, torch.float32):
+        attention_row("prefill 8x1024", [0] * 8, [1024] * 8, dtype, sdpa=dtype == torch.bfloat16)
+        attention_row("decode 64 x ctx 2048", [2048] * 64, [1] * 64, dtype, sdpa=dtype == torch.bfloat16)
+        attention_row("mixed 4x512 pre + 60 dec + 2 chunks", [0] * 4 + [1000] * 60 + [1024] * 2,
+                      [512] * 4 + [1] * 60 + [256] * 2, dtype)
+    for splits in (None, 1):
+        attention_row(f"decode 1 x ctx 8192 ({'planned' if splits is None else 'no split'})", [8192], [1],
+                      torch.bfloat16, splits, sdpa=splits is None)
+        attention_row(f"decode 8 x ctx 4096 ({'planned' if splits is None else 'no split'})", [4096] * 8, [1] * 8,
+                      torch.bfloat16, splits)
+    torch.cuda.empty_cache()
+
+
+@section
+def sweep():
+    """Tile shapes of the attention kernel (block_m, block_n, warps) on three bf16 steps: NMSE and time."""
+    cases = {"prefill 8x1024": ([0] * 8, [1024] * 8, [(64, 64, 4), (64, 32, 4), (128, 64, 8), (128, 32, 4),
+                                                      (128, 64, 4), (64, 128, 4), (128, 128, 8)]),
+             "decode 64 x ctx 2048": ([2048] * 64, [1] * 64, [(16, 64, 4), (16, 32, 4), (16, 128, 4), (16, 64, 2),
+                                                              (16, 128, 8), (16, 32, 2)]),
+             "mixed": ([0] * 4 + [1000] * 60 + [1024] * 2, [512] * 4 + [1] * 60 + [256] * 2,
+                       [(64, 64, 4), (16, 64, 4), (128, 64, 8), (32, 64, 4)])}
+    for label, (contexts, news, shapes) in cases.items():
+        st = attention_step(contexts, news, torch.bfloat16)
+        meta, q, cache = st["meta"], st["q"], st["cache"]
+        for block_m, block_n, warps in shapes:
+            plan = AttentionPlan(block_m, block_n, 1, warps)
+            run = lambda: paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,  # noqa: E731
+                                          st["scale"], plan)
+            ms = time_ms(run)
+            RESULTS["sweep"].append(dict(case=label, block_m=block_m, block_n=block_n, warps=warps,
+                                         nmse=nmse(run(), st["want"]), ms=ms, tflops=st["flops"] / ms / 1e9,
+                                         gbps=st["nbytes"] / ms / 1e6))
+    torch.cuda.empty_cache()
+
+
+MODEL: dict = {}
+
+
+@section
+def build_model():
+    from transformers import AutoModelForCausalLM
+
+    from chitu_core.bench.random_model import hf_config
+
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        hf = AutoModelForCausalLM.from_config(hf_config("llama-3.1-8b"), dtype=torch.bfloat16)
+    hf.eval()
+    path = Path(tempfile.mkdtemp(prefix="llama8b-"))
+    hf.save_pretrained(path)
+    hf.generation_config.eos_token_id = None  # as ignore_eos: never stop, never mask EOS
+    hf.generation_config.pad_token_id = 0
+    # What a decode step must read: every weight but the embedding table, of which it reads a row a token.
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in hf.named_parameters() if "embed_tokens" not in n)
+    MODEL.update(hf=hf, path=path, weight_bytes=weight_bytes)
+    log(f"model: {weight_bytes / 1e9:.2f} GB of bf16 weights read per decode step; saved to {path}")
+
+
+@section
+def model_vs_transformers():
+    from chitu_core import LLM, SamplingParams
+
+    hf = MODEL["hf"]
+    start = time.time()
+    llm = LLM(str(MODEL["path"]), device="nvidia", dtype="bfloat16", max_model_len=384, profile_steps=True,
+              load_progress=False)
+    MODEL.update(llm=llm, load_s=time.time() - start)
+    model = llm.engine.model
+    captured: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda h: captured.append(compute_logits(h)) or captured[-1]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 33, 100, 128)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    model.compute_logits = compute_logits
+    first = captured[0]  # the step that prefilled every prompt: one row each, in order
+    equal = margins = total = 0
+    worst_margin, logit_nmse, first_div, hf_logits = 0.0, 0.0, [], []
+    with torch.inference_mode():
+        for i, (p, ours) in enumerate(zip(prompts, outs)):
+            ids = torch.tensor([p + ours[:-1]], device=DEV)
+            logits = hf(ids).logits[0, len(p) - 1 :].float()  # teacher-forced on our tokens
+            hf_logits.append(logits)
+            logit_nmse = max(logit_nmse, nmse(first[i], logits[0]))
+            chosen = logits.gather(1, torch.tensor(ours, device=DEV)[:, None])[:, 0]
+            margin = (logits.max(1).values - chosen).tolist()
+            worst_margin = max(worst_margin, max(margin))
+            margins += sum(m > 0 for m in margin)
+            theirs = hf.generate(torch.tensor([p], device=DEV), max_new_tokens=32, min_new_tokens=32,
+                                 do_sample=False)[0, len(p) :].tolist()
+            same = [a == b for a, b in zip(ours, theirs)]
+            equal += sum(same)
+            total += len(ours)
+            first_div.append(same.index(False) if False in same else len(same))
+        # bfloat16's own noise: transformers in float32 on the same weights and inputs, against which
+        # both bfloat16 runs (ours and transformers') are measured alike.
+        hf.float()
+        ours_off = theirs_off = 0
+        nmse32 = {"ours": 0.0, "transformers_bf16": 0.0}
+        for i, (p, ours) in enumerate(zip(prompts, outs)):
+            exact = hf(torch.tensor([p + ours[:-1]], device=DEV)).logits[0, len(p) - 1 :].float()
+            nmse32["ours"] = max(nmse32["ours"], nmse(first[i], exact[0]))
+            nmse32["transformers_bf16"] = max(nmse32["transformers_bf16"], nmse(hf_logits[i][0], exact[0]))
+            ours_off += int((exact.argmax(1) != torch.tensor(ours, device=DEV)).sum())
+            theirs_off += int((exact.argmax(1) != hf_logits[i].argmax(1)).sum())
+        hf.to(torch.bfloat16)
+    RESULTS["model_fp32_ref"] = dict(last_logits_nmse=nmse32, not_fp32_argmax={"ours": f"{ours_off}/{total}",
+                                                                                 "transformers_bf16": f"{theirs_off}/{total}"})
+    log("model vs float32:", RESULTS["model_fp32_ref"])
+    RESULTS["model"] = dict(equal_tokens=f"{equal}/{total}", first_divergence=first_div,
+                            teacher_forced_not_argmax=f"{margins}/{total}", worst_margin=worst_margin,
+                            last_logits_nmse=logit_nmse, load_s=MODEL["load_s"],
+                            native=[n for n, s in llm.engine.ops.sources.items() if s.kind == "native"],
+                            fallback=llm.engine.ops.fallbacks())
+    log("model:", RESULTS["model"])
+
+
+@section
+def throughput():
+    from chitu_core.bench.offline import random_prompts, run_batch
+    from chitu_core.sampling.params import SamplingParams
+
+    llm = MODEL["llm"]
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    for b in (1, 64):
+        run_batch(llm, random_prompts(b, 128, VOCAB, 1), params.model_copy(update={"max_tokens": 4}), f"warm{b}")
+        run = run_batch(llm, random_prompts(b, 128, VOCAB, 2), params, f"bench{b}")
+        decode = run.steps[run.prefill_steps :]
+        decode_s = run.total_s - run.prefill_s
+        RESULTS[f"decode_b{b}"] = dict(
+            tok_s=(run.output_tokens - run.prefill_tokens) / decode_s,
+            step_ms=sorted(s.wall_s for s in decode)[len(decode) // 2] * 1e3,
+            forward_ms=sorted(s.forward_s for s in decode)[len(decode) // 2] * 1e3,
+            prefill_s=run.prefill_s)
+        log(f"decode batch {b}:", RESULTS[f"decode_b{b}"])
+    RESULTS["byte_floor_ms"] = MODEL["weight_bytes"] / RESULTS["copy_gbps"] / 1e6
+
+
+@section
+def profile():
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from chitu_core.bench.offline import random_prompts
+    from chitu_core.sampling.params import SamplingParams
+
+    engine = MODEL["llm"].engine
+    lines = []
+    for b in (1, 64):
+        for i, p in enumerate(random_prompts(b, 128, VOCAB, 3)):
+            engine.add_request(f"prof{b}-{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        for _ in range(10):  # prefill and the first decode steps
+            engine.step()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                engine.step()
+            torch.cuda.synchronize()
+        while engine.has_unfinished():
+            engine.step()
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+        lines += [f"===== batch {b}: 10 decode steps =====", table]
+        kernels = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CUDA),
+                         key=lambda e: -e.self_device_time_total)
+        RESULTS[f"profile_b{b}"] = dict(
+            gpu_ms_per_step=sum(e.self_device_time_total for e in kernels) / 10 / 1e3,
+            launches_per_step=sum(e.count for e in kernels) / 10,
+            top=[(e.key[:40], round(e.self_device_time_total / 10 / 1e3, 3)) for e in kernels[:6]])
+    (OUT / "profile.txt").write_text("\n".join(lines))
+
+
+@section
+def transformers_generate():
+    hf = MODEL["hf"]
+    ids = torch.randint(0, VOCAB, (1, 128), device=DEV)
+    with torch.inference_mode():
+        hf.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=256, min_new_tokens=256, do_sample=False)
+        torch.cuda.synchronize()
+    RESULTS["hf_b1_tok_s"] = 256 / (time.perf_counter() - start)
+
+
+def fmt(x, spec=".3g") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def table() -> str:
+    r = RESULTS
+    out = [f"device: {r.get('device')} | {r.get('versions')} | copy {fmt(r.get('copy_gbps'), '.0f')} GB/s", "",
+           f"{'kernel':<19}{'dtype':<9}{'shape':<34}{'max err':>9}{'NMSE':>9}{'ms':>8}{'ref ms':>8}{'GB/s':>7}{'%copy':>6}"]
+    for o in r["ops"]:
+        out.append(f"{o['kernel']:<19}{o['dtype']:<9}{o['shape']:<34}{fmt(o['max_err']):>9}{fmt(o['nmse']):>9}"
+                   f"{fmt(o['ms']):>8}{fmt(o['ref_ms']):>8}{fmt(o['gbps'], '.0f'):>7}"
+                   f"{fmt(100 * o['gbps'] / r.get('copy_gbps', float('nan')), '.0f'):>6}" + ("" if o["finite"] else " NONFINITE"))
+    out += ["", f"{'attention (32/8 heads, d128)':<38}{'dtype':<9}{'split':>5}{'max err':>9}{'NMSE':>9}{'ms':>8}"
+                f"{'ref ms':>8}{'sdpa ms':>8}{'GB/s':>7}{'TF/s':>6}"]
+    for a in r["attention"]:
+        out.append(f"{a['case']:<38}{a['dtype']:<9}{a['splits']:>5}{fmt(a['max_err']):>9}{fmt(a['nmse']):>9}{fmt(a['ms']):>8}"
+                   f"{fmt(a['ref_ms']):>8}{fmt(a.get('sdpa_ms')):>8}{fmt(a['gbps'], '.0f'):>7}{fmt(a['tflops'], '.0f'):>6}"
+                   + ("" if a["finite"] else " NONFINITE"))
+    if r["sweep"]:
+        out += ["", "attention tile sweep (bf16): case, block_m/block_n/warps: ms (NMSE)"]
+        for case in dict.fromkeys(x["case"] for x in r["sweep"]):
+            out.append(f"  {case}: " + ", ".join(f"{x['block_m']}/{x['block_n']}/{x['warps']}: {fmt(x['ms'])} ({fmt(x['nmse'], '.2g')})"
+                                                for x in r["sweep"] if x["case"] == case))
+    if "model" in r:
+        m = r["model"]
+        out += ["", "Llama-3.1-8B (random weights, bf16) vs transformers: "
+                f"greedy tokens equal {m['equal_tokens']} (first divergence per prompt {m['first_divergence']}); "
+                f"teacher-forced, ours not transformers' argmax {m['teacher_forced_not_argmax']} (worst margin "
+                f"{fmt(m['worst_margin'])}); last-token logits NMSE {fmt(m['last_logits_nmse'])}; load {fmt(m['load_s'])} s"]
+    if "model_fp32_ref" in r:
+        f = r["model_fp32_ref"]
+        out.append(f"against transformers in float32 (same weights, same inputs): last-token logits NMSE ours "
+                   f"{fmt(f['last_logits_nmse']['ours'])}, transformers bf16 {fmt(f['last_logits_nmse']['transformers_bf16'])}; "
+                   f"steps off the float32 argmax: ours {f['not_fp32_argmax']['ours']}, transformers bf16 "
+                   f"{f['not_fp32_argmax']['transformers_bf16']}")
+    floor = r.get("byte_floor_ms")
+    for b in (1, 64):
+        d = r.get(f"decode_b{b}")
+        if d:
+            out.append(f"decode batch {b:>2}: {fmt(d['tok_s'], '.1f')} tok/s, step {fmt(d['step_ms'])} ms "
+                       f"(forward {fmt(d['forward_ms'])} ms)" + (f"; byte floor {fmt(floor)} ms/step = "
+                                                                 f"{fmt(b * 1e3 / floor, '.0f')} tok/s" if floor else ""))
+        p = r.get(f"profile_b{b}")
+        if p:
+            out.append(f"  profile: {fmt(p['gpu_ms_per_step'])} ms GPU/step, {fmt(p['launches_per_step'], '.0f')} kernels/step; "
+                       + ", ".join(f"{k} {v}" for k, v in p["top"]))
+    if "hf_b1_tok_s" in r:
+        out.append(f"transformers generate batch 1 (eager, sdpa): {fmt(r['hf_b1_tok_s'], '.1f')} tok/s")
+    out += [f"ERROR {e}" for e in r["errors"]]
+    return "\n".join(out)
+
+
+SECTIONS = {f.__name__: f for f in (environment, ops, attention, sweep, build_model, model_vs_transformers,
+                                     throughput, profile, transformers_generate)}
+
+
+def main() -> int:
+    names = sys.argv[1:] or list(SECTIONS)  # or some, in this order; the model's need build_model first
+    for name in names:
+        SECTIONS[name]()
+    (OUT / "gpu_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    log("\n" + table())
+    return 1 if RESULTS["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

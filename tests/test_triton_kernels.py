@@ -1,0 +1,238 @@
+"""The portable Triton kernels (``chitu_core.kernels.triton``) against the float64 reference, on the CPU.
+
+They run under Triton's interpreter: TRITON_INTERPRET=1 is set only while this module imports
+triton and the kernels (Triton reads it when a kernel is defined) and while its tests run, so other
+tests never see it. The cases reuse the op and attention tests' builders: non-contiguous inputs whose
+gaps hold NaN, shuffled block tables padded with other sequences' ids, a sentinel-filled cache, mixed
+prefill/decode batches.
+"""
+
+import contextlib
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install triton): the Triton kernel tests need it", allow_module_level=True)
+
+from chitu_core.attention.reference import write_kv as reference_write_kv
+from chitu_core.ops import reference
+from test_attention import SENTINEL, allocate_blocks, dense_attention, metadata, qkv_views, run_step
+from test_ops import LAYOUTS, TOL, assert_unmodified, randn, rotary_inputs, snapshot, strided, upcast
+
+
+@contextlib.contextmanager
+def interpreter():
+    """TRITON_INTERPRET=1 for the block, restored after."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported before this module without TRITON_INTERPRET=1, so its kernels would compile "
+                "for a device; run this file in a process of its own", allow_module_level=True)
+with interpreter():  # triton's own library and our kernels are defined as interpreted functions
+    import chitu_core.kernels.triton.attention as attention
+    import chitu_core.kernels.triton.kv_cache as kv_cache
+    import chitu_core.kernels.triton.ops as triton_ops
+    import chitu_core.kernels.triton.paged_attention as paged_attention
+    import chitu_core.kernels.triton.rotary as rotary
+
+
+@pytest.fixture(autouse=True)
+def _interpret():
+    """Triton also reads the variable while kernels run (e.g. when it imports more of itself)."""
+    with interpreter():
+        yield
+
+
+# float32 only: triton 3.9's interpreter truncates float32 -> bfloat16 casts (a GPU rounds to nearest)
+# and multiplies bfloat16 tl.dot operands as raw 16-bit integers, so bfloat16 accuracy is checked on
+# the GPU (plugins/nvidia/scripts/gpu_check.py); here bfloat16 only moves through exact copies.
+DTYPE = torch.float32
+
+
+def check_op(name: str, args: tuple, kwargs: dict, dtype: torch.dtype) -> None:
+    """The Triton op leaves its inputs alone and matches the float64 reference within dtype's tolerance."""
+    snap = snapshot(args)
+    got = triton_ops.TRITON_OPS[name](*args, **kwargs)
+    assert_unmodified(snap)
+    want = getattr(reference, name)(*[upcast(a) for a in args], **kwargs)
+    for g, w in zip(*((got, want) if isinstance(got, tuple) else ((got,), (want,)))):
+        assert g.dtype == dtype and g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, **TOL[dtype])
+
+
+def test_rms_norms():
+    dtype = DTYPE
+    for shape, x_layout, r_layout, scale in [
+        ((1, 1), "contiguous", "strided", 3.0), ((7, 96), "strided", "transposed", 3.0),
+        ((3, 5, 33), "transposed", "contiguous", 3.0), ((2, 4096), "contiguous", "strided", 1.0),
+        ((4, 9), "contiguous", "contiguous", 1e-3),  # eps matters at 1e-3
+    ]:
+        x = LAYOUTS[x_layout](randn(*shape, dtype=dtype, scale=scale))
+        residual = LAYOUTS[r_layout](randn(*shape, dtype=dtype, scale=scale))
+        weight = strided(randn(shape[-1], dtype=dtype) + 1.0)
+        check_op("rms_norm", (x, weight, 1e-6), {}, dtype)
+        check_op("fused_add_rms_norm", (x, residual, weight, 1e-6), {}, dtype)
+
+
+def test_activations():
+    dtype = DTYPE
+    for shape, layout in [((1, 2), "contiguous"), ((7, 26), "transposed"), ((2, 3, 14), "strided"),
+                          ((3, 2200), "contiguous")]:  # 2200: two column blocks of 1024 and a tail
+        x = LAYOUTS[layout](randn(*shape, dtype=dtype, scale=2.0))
+        check_op("silu_and_mul", (x,), {}, dtype)
+        for approximate in ("none", "tanh"):
+            check_op("gelu_and_mul", (x,), dict(approximate=approximate), dtype)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_embedding(is_neox):
+    dtype = DTYPE
+    for t, hq, hk, d, rot, layout in [(1, 1, 1, 2, 2, "contiguous"), (7, 4, 2, 64, 64, "sliced"),
+                                      (5, 3, 1, 40, 24, "sliced"), (4, 8, 2, 64, 32, "contiguous")]:
+        check_op("rotary_embedding", rotary_inputs(dtype, t, hq, hk, d, rot, layout), dict(is_neox=is_neox), dtype)
+
+
+def cache_with_slots(t: int, hk: int, d: int, block_size: int, dtype: torch.dtype):
+    """A sentinel-filled [2, 5, block_size, hk, d] cache and t distinct random slots, the last one -1 (padding)."""
+    cache = torch.full((2, 5, block_size, hk, d), SENTINEL, dtype=dtype)
+    slots = torch.randperm(5 * block_size)[:t]
+    slots[-1] = -1
+    return cache, slots
+
+
+def test_write_kv_stores_at_the_slots_and_skips_padding():
+    _, k, v = qkv_views(6, 4, 2, 64, torch.float32)
+    cache, slots = cache_with_slots(6, 2, 64, 16, torch.float32)
+    want = cache.clone()
+    reference_write_kv(want, k[:-1], v[:-1], slots[:-1])
+    kv_cache.write_kv(cache, k, v, slots)
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_fused_with_the_cache_write(is_neox):
+    positions, q, k, cos_sin = rotary_inputs(torch.bfloat16, 6, 4, 2, 40, 24, "sliced")
+    v = randn(6, 2, 40, dtype=torch.bfloat16)
+    cache, slots = cache_with_slots(6, 2, 40, 8, torch.bfloat16)
+    got_q, got_k = rotary.rotary_embedding_and_write_kv(positions, q, k, v, cos_sin, is_neox, cache, slots)
+    want_q, want_k = rotary.rotary_embedding(positions, q, k, cos_sin, is_neox)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    want = torch.full_like(cache, SENTINEL)
+    reference_write_kv(want, want_k[:-1], v[:-1], slots[:-1])
+    assert torch.equal(cache, want)
+
+
+# ----- paged attention: the flow of tests/test_attention.py on a smaller batch (the interpreter is slow) -----
+
+# (context_len, new tokens): prefills, decodes, chunked prefills; lengths leave last blocks partial.
+BATCH = [(0, 23), (1, 1), (90, 1), (40, 37), (16, 16), (5, 1), (0, 1), (63, 9)]
+CONFIGS = [  # (num_heads, num_kv_heads, head_dim, block_size): GQA 1 and 4, head_dim 64 (and 40, unpadded)
+    (4, 4, 64, 16), (8, 2, 64, 16), (4, 1, 40, 8), (8, 2, 64, 1),
+]
+ATTN_TOL = dict(rtol=1e-5, atol=1e-5)  # float32 accumulation, as tests/test_attention.py
+
+
+def make_attention(hq, hk, d, block_size, num_splits=None):
+    attn = attention.TritonPagedAttention(hq, hk, d, block_size, DTYPE, torch.device("cpu"))
+    attn.force_num_splits = num_splits
+    return attn
+
+
+def fill_contexts(attn, cache, tables, contexts, scale):
+    """Prefill each sequence's context alone, checking it; returns {sequence: (keys, values)}."""
+    written = {}
+    for b, c in enumerate(contexts):
+        if c:
+            out, [(q, k, v)] = run_step(attn, cache, tables[b : b + 1], [0], [c], scale)
+            torch.testing.assert_close(out.double(), dense_attention(q, k, v, 0, scale), **ATTN_TOL)
+            written[b] = (k, v)
+    return written
+
+
+def check_step(attn, cache, tables, contexts, news, written, scale):
+    """Run one step over every sequence and compare each with dense attention over its whole history."""
+    out, parts = run_step(attn, cache, tables, contexts, news, scale)
+    history = []
+    for b, (q, k, v) in enumerate(parts):
+        ctx_k, ctx_v = written.get(b, (k[:0], v[:0]))
+        history.append((torch.cat((ctx_k, k)), torch.cat((ctx_v, v))))
+        want = dense_attention(q, *history[b], contexts[b], scale)
+        got = out[sum(news[:b]) : sum(news[: b + 1])]
+        torch.testing.assert_close(got.double(), want, **ATTN_TOL, msg=lambda m: f"sequence {b}: {m}")
+    return history
+
+
+@pytest.mark.parametrize("hq,hk,d,block_size", CONFIGS)
+def test_paged_attention_mixed_batch(hq, hk, d, block_size):
+    attn = make_attention(hq, hk, d, block_size)
+    scale = 1 / math.sqrt(d)
+    contexts, news = [c for c, _ in BATCH], [n for _, n in BATCH]
+    tables, num_blocks = allocate_blocks([c + n for c, n in BATCH], block_size, spare=3)
+    cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+    assert cache.shape == attn.kv_cache_shape(num_blocks)
+    written = fill_contexts(attn, cache, tables, contexts, scale)
+    history = check_step(attn, cache, tables, contexts, news, written, scale)
+    expected = torch.full_like(cache, SENTINEL)
+    for b, (keys, values) in enumerate(history):
+        pos = torch.arange(keys.shape[0])
+        blocks, offsets = tables[b].long()[pos // block_size], pos % block_size
+        expected[0, blocks, offsets], expected[1, blocks, offsets] = keys, values
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("num_splits", [3, 8])
+def test_split_kv_decode(num_splits):
+    """A decode step through the split-KV kernels (forced), contexts from 1 to 260 keys in float32 tiles
+    of 32: some splits get no keys at all."""
+    hq, hk, d, block_size = 8, 2, 64, 16
+    scale = 1 / math.sqrt(d)
+    contexts = [150, 1, 70, 260]
+    tables, num_blocks = allocate_blocks([c + 1 for c in contexts], block_size, spare=2)
+    unsplit = make_attention(hq, hk, d, block_size)
+    cache = unsplit.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+    written = fill_contexts(unsplit, cache, tables, contexts, scale)
+    attn = make_attention(hq, hk, d, block_size, num_splits)
+    assert attn.prepare(metadata(tables, contexts, [1] * 4, block_size)).plan.num_splits == num_splits
+    check_step(attn, cache, tables, contexts, [1] * 4, written, scale)
+
+
+def test_plan_splits_only_underfilled_long_decodes():
+    plan = paged_attention.plan  # (num_heads, num_kv_heads, max_query_len, num_seqs, max_seq_len, compute units)
+    assert plan(8, 2, 1, 4, 601, 16).num_splits == 2  # 8 programs for 32 slots; 601 keys: two ranges of >= 256
+    assert plan(32, 8, 1, 1, 4096, 132).num_splits == 16
+    assert plan(32, 8, 1, 64, 4096, 132).num_splits == 1  # 512 programs fill 132 units
+    assert plan(32, 8, 1, 1, 300, 132).num_splits == 1  # short context
+    assert plan(32, 8, 2, 1, 4096, 132).num_splits == 1  # not a pure decode step
+    assert (plan(32, 8, 1, 1, 100, 132).block_m, plan(32, 8, 512, 1, 512, 132).block_m) == (16, 64)
+    assert (plan(32, 8, 1, 1, 100, 132).block_n, plan(32, 8, 1, 1, 100, 132, dtype_bytes=4).block_n) == (64, 32)
+
+
+def test_fused_rotary_then_attend_equals_rotary_then_forward():
+    hq, hk, d, block_size = 8, 2, 64, 16
+    scale = 1 / math.sqrt(d)
+    tables, num_blocks = allocate_blocks([20, 7], block_size, spare=1)
+    meta = metadata(tables, [0, 0], [20, 7], block_size)
+    positions, q, k, cos_sin = rotary_inputs(torch.float32, 27, hq, hk, d, d, "sliced")
+    v = randn(27, hk, d)
+    attn = make_attention(hq, hk, d, block_size)
+    meta.backend_state = attn.prepare(meta)
+    fused_cache, cache = (attn.allocate_kv_cache(num_blocks).fill_(SENTINEL) for _ in range(2))
+    fq, _ = attn.rotary_and_write_kv(positions, q, k, v, cos_sin, True, fused_cache, meta)
+    got = attn.attend(fq, fused_cache, meta, scale)
+    rq, rk = rotary.rotary_embedding(positions, q, k, cos_sin, True)
+    want = attn.forward(rq, rk, v, cache, meta, scale)
+    assert torch.equal(fused_cache, cache) and torch.equal(got, want)
