@@ -219,6 +219,9 @@ def test_plan_splits_only_underfilled_long_decodes():
     assert plan(32, 8, 2, 1, 4096, 132).num_splits == 1  # not a pure decode step
     assert (plan(32, 8, 1, 1, 100, 132).block_m, plan(32, 8, 512, 1, 512, 132).block_m) == (16, 64)
     assert (plan(32, 8, 1, 1, 100, 132).block_n, plan(32, 8, 1, 1, 100, 132, dtype_bytes=4).block_n) == (64, 32)
+    # Wide rows (head_dim 256 in float32: 1 KB a key) take smaller tiles, to fit shared memory.
+    wide = plan(2, 1, 64, 1, 64, 132, dtype_bytes=4, head_dim=256)
+    assert (wide.block_m, wide.block_n) == (32, 16)
 
 
 def test_fused_rotary_then_attend_equals_rotary_then_forward():

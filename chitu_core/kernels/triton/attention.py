@@ -53,7 +53,7 @@ class TritonPagedAttention(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> TritonStepState:
         step = plan(self.num_heads, self.num_kv_heads, meta.max_query_len, meta.num_seqs, meta.max_seq_len,
-                    self.num_compute_units, self.force_num_splits, self.dtype.itemsize)
+                    self.num_compute_units, self.force_num_splits, self.dtype.itemsize, self.head_dim)
         workspace = None
         if step.num_splits > 1:
             workspace = split_workspace(meta.slot_mapping.shape[0], self.num_heads, self.head_dim, step.num_splits,
