@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from chitu_core.attention.contract import AttentionMetadata
 from chitu_core.attention.reference import ReferenceAttention
+from chitu_core.conformance.attention_cases import metadata  # the suite's step builder, shared
 from chitu_cpu.attention import CpuSdpaAttention
 
 BACKENDS = {"sdpa": CpuSdpaAttention, "reference": ReferenceAttention}
@@ -46,28 +46,6 @@ def allocate_blocks(lens: list[int], block_size: int, spare: int) -> tuple[torch
         row[:n] = pool[start : start + n]
         start += n
     return tables.to(torch.int32), num_blocks
-
-
-def metadata(tables: torch.Tensor, context_lens: list[int], query_lens: list[int],
-             block_size: int) -> AttentionMetadata:
-    """A step where sequence b has context_lens[b] cached tokens and query_lens[b] new ones."""
-    slots = []
-    for row, c, n in zip(tables.long(), context_lens, query_lens):
-        pos = torch.arange(c, c + n)
-        slots.append(row[pos // block_size] * block_size + pos % block_size)
-    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(query_lens).cumsum(0)
-    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
-    return AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        block_tables=tables,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        query_start_loc=qsl,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-    )
 
 
 def qkv_views(n: int, hq: int, hk: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
