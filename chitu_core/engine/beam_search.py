@@ -23,7 +23,6 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chitu_core.errors import ChituError
 from chitu_core.sampling.params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -100,7 +99,7 @@ def beam_search(llm: "LLM", prompts: Seq[str | dict[str, Any]], params: BeamSear
     step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=width + max(width, len(eos)))
     texts, searches = [], []
     for prompt in prompts:
-        ids, text = _prompt_ids(llm, prompt)
+        ids, text = llm._prompt_ids(prompt)  # the same prompt rules as generate()
         if len(ids) + params.max_tokens > engine.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: together "
@@ -123,14 +122,6 @@ def beam_search(llm: "LLM", prompts: Seq[str | dict[str, Any]], params: BeamSear
         BeamSearchOutput(text, s.prompt_token_ids, [_sequence(llm, score, beam, eos) for score, beam in s.hypotheses])
         for text, s in zip(texts, searches)
     ]
-
-
-def _prompt_ids(llm: "LLM", prompt: str | dict[str, Any]) -> tuple[list[int], str | None]:
-    if isinstance(prompt, dict):
-        return list(prompt["prompt_token_ids"]), prompt.get("prompt")
-    if llm.tokenizer is None:
-        raise ChituError(f"{llm.config.model} has no tokenizer; pass {{'prompt_token_ids': [...]}} instead of text")
-    return llm.tokenizer.encode(prompt), prompt
 
 
 def _sequence(llm: "LLM", score: float, beam: _Beam, eos: set[int]) -> BeamSequence:

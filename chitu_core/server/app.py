@@ -8,13 +8,12 @@ AsyncLLM and answers with one JSON body or an SSE stream ending in
 
 import hmac
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chitu_core.engine.async_engine import AsyncLLM
