@@ -91,6 +91,13 @@ def save_tokenizer(path: Path, vocab_size: int = 400):
     return fast
 
 
+def build_chat_model(path: Path, arch: str = "llama-tied"):
+    """A tiny random model with the tokenizer of ``save_tokenizer`` (its <s>/</s> as BOS/EOS) and
+    chat template; returns (transformers model, tokenizer)."""
+    hf = build_model(path, arch, bos_token_id=0, eos_token_id=1)
+    return hf, save_tokenizer(path)
+
+
 def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: HF's rotate-halves Q/K rows to interleaved pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

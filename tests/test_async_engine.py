@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from builders import build_model, save_tokenizer
+from builders import build_chat_model
 from chitu_core import LLM, SamplingParams
 from chitu_core.config import EngineConfig
 from chitu_core.engine.async_engine import AsyncLLM
@@ -13,8 +13,7 @@ from chitu_core.engine.async_engine import AsyncLLM
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("async-llama")
-    build_model(path, "llama", bos_token_id=0, eos_token_id=1)
-    save_tokenizer(path)
+    build_chat_model(path, "llama")
     return path
 
 

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from builders import build_model, save_tokenizer
+from builders import build_chat_model
 from chitu_core.bench.serve import concurrency_list, percentile, token_range
 from chitu_core.config import EngineConfig
 from chitu_core.engine.async_engine import AsyncLLM
@@ -28,8 +28,7 @@ I, O, N = 8, 6, 8
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench-serve-llama")
-    build_model(path, "llama-tied", bos_token_id=0, eos_token_id=1)  # vocab 512
-    save_tokenizer(path)
+    build_chat_model(path)  # vocab 512
     engine = AsyncLLM(EngineConfig(model=str(path), device="cpu", dtype="float32", load_progress=False))
     yield engine
     asyncio.run(engine.shutdown())

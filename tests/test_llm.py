@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from builders import build_model, save_tokenizer
+from builders import build_chat_model
 from chitu_core import LLM, SamplingParams
 from chitu_core.errors import ChituError
 
@@ -11,8 +11,7 @@ from chitu_core.errors import ChituError
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("chat-llama")
-    hf = build_model(path, "llama-tied", bos_token_id=0, eos_token_id=1)  # the tokenizer's <s> and </s>
-    tok = save_tokenizer(path)
+    hf, tok = build_chat_model(path)
     return path, hf, tok
 
 

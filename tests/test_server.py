@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from builders import build_model, save_tokenizer
+from builders import build_chat_model
 from chitu_core.config import EngineConfig
 from chitu_core.engine.async_engine import AsyncLLM
 from chitu_core.server.app import build_app
@@ -22,8 +22,7 @@ KEY = "sk-test-key"
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("server-llama")
-    build_model(path, "llama-tied", bos_token_id=0, eos_token_id=1)
-    save_tokenizer(path)
+    build_chat_model(path)
     engine = AsyncLLM(EngineConfig(model=str(path), device="cpu", dtype="float32", load_progress=False))
     yield engine
     asyncio.run(engine.shutdown())
