@@ -36,15 +36,19 @@ class MemoryInfo:
 
 
 class GraphRunner(ABC):
-    """Optional: captures a decode step once per batch-size bucket and replays it (CUDA/ACL graphs)."""
+    """Optional: records the device work of a function once and replays it (CUDA graphs, ACL graphs).
+
+    The engine captures its decode step once per padded batch size, largest first, before serving.
+    A captured function reads and writes only tensors that exist before the capture (the engine's
+    static input buffers, the weights, the KV cache) and never waits on the host. One runner's
+    captures may share one memory pool: the engine replays one graph at a time.
+    """
 
     @abstractmethod
-    def capture(self, fn: Callable, batch_sizes: list[int]) -> None:
-        """Capture ``fn`` for each padded batch size."""
-
-    @abstractmethod
-    def replay(self, batch_size: int) -> None:
-        """Replay the graph captured for ``batch_size``."""
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Run ``fn`` once to warm up (compile kernels, settle workspaces), record it, and return
+        ``replay``: a callable that re-runs the recorded work on the current inputs and returns
+        the tensor ``fn`` returned, in the same storage at every replay."""
 
 
 class Backend(ABC):
@@ -134,6 +138,17 @@ class Backend(ABC):
 
     def graph_runner(self) -> GraphRunner | None:
         """A graph runner for decode steps, or None where graphs are not supported."""
+        return None
+
+    def pin_memory(self) -> bool:
+        """Whether host staging buffers should be page-locked (``Tensor.pin_memory``) so that
+        copies to the device run asynchronously. Default: no."""
+        return False
+
+    def measure_peak_memory(self, fn: Callable[[], object], index: int = 0) -> int | None:
+        """Run ``fn`` (a largest-step forward) and return the most device memory this process had
+        in use while it ran, weights and runtime workspaces included; None where the backend cannot
+        measure it (then ``gpu_memory_utilization`` cannot be honoured). Default: None, ``fn`` not run."""
         return None
 
     def kv_cache_budget(self, index: int = 0) -> int:

@@ -27,6 +27,11 @@ class EngineConfig(BaseSettings):
     max_num_seqs: int = Field(256, ge=1, description="most sequences in one step")
     max_num_batched_tokens: int = Field(8192, ge=1, description="most new tokens in one step")
     kv_cache_memory: int | None = Field(None, ge=1, description="bytes for the KV cache (default: the backend's budget)")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="share of the device's memory the engine may use in all (weights, activations, "
+        "KV cache); the KV cache gets what a profiled largest step leaves (default: the backend's budget)")
+    enforce_eager: bool = Field(False, description="run decode steps eagerly where the backend could replay graphs")
+    max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured as a graph")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")
     seed: int = Field(0, description="seeds the per-request seeds of requests that set none")

@@ -75,8 +75,33 @@ def test_offline_text_report(tiny_dir):
     out = bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--batch-size", "2", "--input-len", "4",
                 "--output-len", "3", "--warmup", "0")
     lines = out.splitlines()
-    assert [line.split()[0] for line in lines] == ["model", "backend", "batch", "total", "prefill", "decode", "outside"]
+    assert [line.split()[0] for line in lines] == ["model", "backend", "batch", "total", "prefill", "decode", "outside",
+                                                   "floor"]
     assert "LlamaForCausalLM, 2 layers" in lines[0] and "6 output tokens" in lines[3]
+
+
+def test_offline_floor_runs_and_transformers_peer(tiny_dir):
+    """--runs reports the run of median decode rate; the floor is the mean decode step's bytes (weights
+    plus KV) over the copy bandwidth measured in the run; --peer hf runs transformers on the same prompts."""
+    B, I, O = 2, 6, 5
+    r = json.loads(bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size", str(B),
+                         "--input-len", str(I), "--output-len", str(O), "--runs", "3", "--no-profile", "--peer", "hf",
+                         "--json"))
+    assert r["runs"] == 3 and sorted(r["runs_decode_tok_per_s"])[1] == r["decode_tok_per_s"]
+    assert r["decode_forward_mean_ms"] is None and r["outside_forward_share"] is None  # --no-profile
+    f, c = r["floor"], CONFIGS["tiny"]
+    # Untied: every parameter but the input embedding, float32.
+    weights = 4 * (r["model_config"]["num_parameters"] - c["vocab_size"] * c["hidden_size"])
+    assert f["weight_bytes"] == weights
+    kv_per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * 4
+    assert f["kv_bytes_mean"] == round(kv_per_token * B * (I + (1 + O - 1) / 2))
+    assert f["step_ms"] == pytest.approx((weights + f["kv_bytes_mean"]) / (f["copy_gbps"] * 1e9) * 1e3, rel=1e-2)
+    assert f["decode_tok_per_s"] == pytest.approx(B / (f["step_ms"] / 1e3), rel=1e-2)  # step_ms is rounded
+    assert r["floor_fraction"] == pytest.approx(r["decode_tok_per_s"] / f["decode_tok_per_s"], rel=1e-3)
+    p = r["peer"]
+    assert p["mode"] == "eager generate, dynamic cache" and p["decode_tok_per_s"] > 0
+    assert p["prefill_s"] < p["total_s"]
+    assert r["speedup_over_peer"] == pytest.approx(r["decode_tok_per_s"] / p["decode_tok_per_s"], rel=1e-2)
 
 
 def test_unknown_config_is_an_argument_error(tmp_path, capsys):

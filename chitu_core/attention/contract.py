@@ -27,7 +27,8 @@ Tensor = torch.Tensor
 class AttentionMetadata:
     """Per-step attention inputs, shared by every layer. B sequences, T new tokens in all.
 
-    slot_mapping:    int64 [T]; cache slot of each new token, block_id * block_size + offset.
+    slot_mapping:    int64 [T]; cache slot of each new token, block_id * block_size + offset;
+                     a negative slot marks a padding row (graph buckets): its keys are not written.
     block_tables:    int32 [B, max_blocks]; the block ids of each sequence in order; entries
                      past a sequence's last block are padding and must not be read.
     seq_lens:        int32 [B]; tokens in the cache for each sequence after this step.
@@ -98,7 +99,11 @@ class AttentionBackend(ABC):
         return per_block * torch.empty((), dtype=self.dtype).element_size()
 
     def prepare(self, meta: AttentionMetadata) -> Any:
-        """Derive per-step state once for all layers; stored in ``meta.backend_state``."""
+        """Derive per-step state once for all layers; stored in ``meta.backend_state``.
+
+        Where the device backend has a graph runner, decode graphs call this once at capture and
+        replay its result with new tensor contents: derive the state from the host ints
+        (max_query_len, max_seq_len) and tensor shapes only, never from the tensors' values."""
         return None
 
     @abstractmethod

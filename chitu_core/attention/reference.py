@@ -13,8 +13,12 @@ Tensor = torch.Tensor
 
 
 def write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Store new keys and values at their slots; kv_cache is [2, N, block_size, Hk, D]."""
+    """Store new keys and values at their slots; kv_cache is [2, N, block_size, Hk, D]. Rows whose
+    slot is negative (padding) are not stored."""
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 

@@ -11,6 +11,7 @@ building the inputs, sampling, the host copy, bookkeeping and detokenization.
 """
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 
+from chitu_core.bench.floor import copy_bandwidth, decode_kv_bytes, weight_bytes_read
+from chitu_core.bench.peer import run_hf
 from chitu_core.engine.llm import LLM
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.sampling.params import SamplingParams
@@ -71,27 +74,64 @@ def _outside_share(steps: list[StepTime]) -> float:
     return max(0.0, wall - sum(s.forward_s for s in steps)) / wall if wall else 0.0
 
 
+def _floor(engine, batch: int, input_len: int, output_len: int) -> dict[str, Any]:
+    """Bytes a mean decode step must read and the floor they set at the bandwidth measured now."""
+    bandwidth = copy_bandwidth(engine.device, engine.backend.synchronize)
+    weights = weight_bytes_read(engine.model)
+    per_token = engine.attention.bytes_per_block() * len(engine.runner.kv_caches) // engine.attention.block_size
+    kv = decode_kv_bytes(per_token, batch, input_len, output_len)
+    step_s = (weights + kv) / bandwidth
+    return {"copy_gbps": round(bandwidth / 1e9, 1), "weight_bytes": weights, "kv_bytes_mean": round(kv),
+            "step_ms": round(step_s * 1e3, 4), "decode_tok_per_s": round(batch / step_s, 3)}
+
+
+def _measure(run: BatchRun, batch: int, input_len: int) -> dict[str, Any]:
+    decode = run.steps[run.prefill_steps:]
+    decode_s = run.total_s - run.prefill_s
+    ms = [s.wall_s * 1e3 for s in decode]
+    profiled = any(s.forward_s for s in run.steps)
+    return {
+        "output_tokens": run.output_tokens,
+        "num_steps": len(run.steps),
+        "prefill_steps": run.prefill_steps,
+        "decode_steps": len(decode),
+        "total_s": round(run.total_s, 6),
+        "output_tok_per_s": round(run.output_tokens / run.total_s, 3),
+        "prefill_s": round(run.prefill_s, 6),
+        "prefill_tok_per_s": round(batch * input_len / run.prefill_s, 3),
+        "decode_s": round(decode_s, 6),
+        "decode_tok_per_s": round((run.output_tokens - run.prefill_tokens) / decode_s, 3) if decode else None,
+        "decode_step_mean_ms": round(statistics.fmean(ms), 4) if ms else None,
+        "decode_step_median_ms": round(statistics.median(ms), 4) if ms else None,
+        "decode_forward_mean_ms": round(statistics.fmean(s.forward_s * 1e3 for s in decode), 4) if decode and profiled else None,
+        "outside_forward_share": round(_outside_share(run.steps), 4) if profiled else None,
+        "decode_outside_forward_share": round(_outside_share(decode), 4) if decode and profiled else None,
+    }
+
+
 def run_offline(args: argparse.Namespace) -> dict[str, Any]:
-    """Load the model, warm up, run the measured batch; returns the report (what --json prints)."""
+    """Load the model, warm up, run the measured batch ``--runs`` times and report the run of median
+    decode rate (what --json prints); with ``--peer hf``, then transformers on the same prompts."""
     hf = open_model_dir(args.model).config
     llm = LLM(
-        args.model, device=args.device, dtype=args.dtype, profile_steps=True, load_progress=False,
-        max_model_len=args.input_len + args.output_len, num_threads=args.threads,
+        args.model, device=args.device, dtype=args.dtype, profile_steps=args.profile, load_progress=False,
+        max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 1),
+        num_threads=args.threads, enforce_eager=args.enforce_eager,
     )
     engine = llm.engine
     B, I, O = args.batch_size, args.input_len, args.output_len
     params = SamplingParams(max_tokens=O, temperature=args.temperature, ignore_eos=True)
-    prompts = random_prompts(B, I, engine.vocab_size, args.seed)
     # Other prompts for the warm-up, so that the measured prefill finds nothing in the prefix cache.
     warm_prompts = random_prompts(B, I, engine.vocab_size, args.seed + 1)
     for w in range(args.warmup):
         run_batch(llm, warm_prompts, params.model_copy(update={"max_tokens": min(O, 4)}), f"warmup{w}")
-
-    run = run_batch(llm, prompts, params, "bench")
-    decode = run.steps[run.prefill_steps:]
-    decode_s = run.total_s - run.prefill_s
-    ms = [s.wall_s * 1e3 for s in decode]
-    return {
+    measured = []
+    for r in range(args.runs):
+        prompts = random_prompts(B, I, engine.vocab_size, args.seed + 100 * r)
+        measured.append(_measure(run_batch(llm, prompts, params, f"bench{r}"), B, I))
+    rates = [m["decode_tok_per_s"] or m["output_tok_per_s"] for m in measured]
+    median = sorted(range(len(measured)), key=lambda i: rates[i])[len(measured) // 2]
+    report = {
         "model": str(args.model),
         "architecture": hf.architectures[0],
         "model_config": {
@@ -102,26 +142,36 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         },
         "backend": engine.backend.name,
         "device": str(engine.device),
+        "device_name": engine.backend.device_name(),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "graphs": engine.runner.graphs is not None,
         "batch_size": B, "input_len": I, "output_len": O, "temperature": args.temperature, "warmup": args.warmup,
         "input_tokens": B * I,
-        "output_tokens": run.output_tokens,
-        "num_steps": len(run.steps),
-        "prefill_steps": run.prefill_steps,
-        "decode_steps": len(decode),
-        "total_s": round(run.total_s, 6),
-        "output_tok_per_s": round(run.output_tokens / run.total_s, 3),
-        "prefill_s": round(run.prefill_s, 6),
-        "prefill_tok_per_s": round(B * I / run.prefill_s, 3),
-        "decode_s": round(decode_s, 6),
-        "decode_tok_per_s": round((run.output_tokens - run.prefill_tokens) / decode_s, 3) if decode else None,
-        "decode_step_mean_ms": round(statistics.fmean(ms), 4) if ms else None,
-        "decode_step_median_ms": round(statistics.median(ms), 4) if ms else None,
-        "decode_forward_mean_ms": round(statistics.fmean(s.forward_s * 1e3 for s in decode), 4) if decode else None,
-        "outside_forward_share": round(_outside_share(run.steps), 4),
-        "decode_outside_forward_share": round(_outside_share(decode), 4) if decode else None,
+        "runs": args.runs,
+        **measured[median],
+        "runs_decode_tok_per_s": [m["decode_tok_per_s"] for m in measured],
     }
+    floor = _floor(engine, B, I, O)
+    report["floor"] = floor
+    if report["decode_tok_per_s"]:
+        report["floor_fraction"] = round(report["decode_tok_per_s"] / floor["decode_tok_per_s"], 4)
+    if args.peer == "hf":
+        device, dtype, sync = engine.device, engine.dtype, engine.backend.synchronize
+        del engine, llm
+        gc.collect()
+        prompts = random_prompts(B, I, hf.vocab_size, args.seed)
+        try:
+            peer = run_hf(args.model, device, dtype, prompts, O, args.peer_runs, sync)
+        except Exception as exc:  # the peer's failure is reported, ours still stands
+            peer = {"mode": "failed", "error": f"{type(exc).__name__}: {exc}"[:500], "output_tok_per_s": None,
+                    "decode_tok_per_s": None}
+        if peer["decode_tok_per_s"]:
+            peer["floor_fraction"] = round(peer["decode_tok_per_s"] / floor["decode_tok_per_s"], 4)
+            if report["decode_tok_per_s"]:
+                report["speedup_over_peer"] = round(report["decode_tok_per_s"] / peer["decode_tok_per_s"], 3)
+        report["peer"] = peer
+    return report
 
 
 def render(r: dict[str, Any]) -> str:
@@ -137,15 +187,31 @@ def render(r: dict[str, Any]) -> str:
         f"prefill  {r['prefill_s']:.3f} s in {r['prefill_steps']} step(s): {r['prefill_tok_per_s']:.1f} input tok/s",
     ]
     if r["decode_steps"]:
-        lines.append(
-            f"decode   {r['decode_s']:.3f} s in {r['decode_steps']} steps: {r['decode_tok_per_s']:.1f} tok/s; "
-            f"per step mean {r['decode_step_mean_ms']:.2f} ms, median {r['decode_step_median_ms']:.2f} ms "
-            f"(forward {r['decode_forward_mean_ms']:.2f} ms)"
-        )
-        lines.append(f"outside the forward: {r['outside_forward_share']:.1%} of step time "
-                     f"({r['decode_outside_forward_share']:.1%} in decode steps)")
-    else:
-        lines.append(f"outside the forward: {r['outside_forward_share']:.1%} of step time")
+        line = (f"decode   {r['decode_s']:.3f} s in {r['decode_steps']} steps: {r['decode_tok_per_s']:.1f} tok/s; "
+                f"per step mean {r['decode_step_mean_ms']:.2f} ms, median {r['decode_step_median_ms']:.2f} ms")
+        if r["decode_forward_mean_ms"] is not None:
+            line += f" (forward {r['decode_forward_mean_ms']:.2f} ms)"
+        lines.append(line + (f"; median of {r['runs']} runs {r['runs_decode_tok_per_s']}" if r["runs"] > 1 else ""))
+    if r["outside_forward_share"] is not None:
+        lines.append(f"outside the forward: {r['outside_forward_share']:.1%} of step time"
+                     + (f" ({r['decode_outside_forward_share']:.1%} in decode steps)" if r["decode_steps"] else ""))
+    f = r["floor"]
+    line = (f"floor    {f['step_ms']:.3f} ms a decode step = {f['decode_tok_per_s']:.1f} tok/s: "
+            f"{f['weight_bytes'] / 1e9:.3f} GB weights + {f['kv_bytes_mean'] / 1e9:.3f} GB KV at {f['copy_gbps']:.0f} GB/s copy")
+    if "floor_fraction" in r:
+        line += f"; this run {r['floor_fraction']:.1%} of it"
+    lines.append(line)
+    if "peer" in r:
+        p = r["peer"]
+        if p["mode"] == "failed":
+            lines.append(f"peer     transformers failed: {p['error']}")
+            return "\n".join(lines)
+        line = f"peer     transformers ({p['mode']}): {p['output_tok_per_s']:.1f} tok/s in all"
+        if p["decode_tok_per_s"]:
+            line += f", decode {p['decode_tok_per_s']:.1f} tok/s ({p['floor_fraction']:.1%} of the floor)"
+        if "speedup_over_peer" in r:
+            line += f"; chitu/transformers decode {r['speedup_over_peer']:.2f}x"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -160,12 +226,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="warm-up runs of the same batch shape, 4 tokens each")
     parser.add_argument("--threads", type=int, default=None, help="host threads (default: the backend's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random prompts")
+    parser.add_argument("--runs", type=int, default=1, help="measured runs; the report shows the one of median decode rate")
+    parser.add_argument("--peer", choices=["none", "hf"], default="none",
+                        help="hf: also run transformers on the same model, device and prompts, and compare")
+    parser.add_argument("--peer-runs", type=int, default=1, help="measured runs of the peer (median)")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="time each step's forward (one more device sync a step)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no decode graphs")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    for name in ("batch_size", "input_len", "output_len"):
+    for name in ("batch_size", "input_len", "output_len", "runs", "peer_runs"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     report = run_offline(args)

@@ -20,13 +20,16 @@ def hf_config(name: str):
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def write_random_model(name: str, out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> int:
-    """Save a random-weight model of config ``name`` to ``out``; returns its parameter count."""
+def write_random_model(name: str, out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                       device: str = "cpu") -> int:
+    """Save a random-weight model of config ``name`` to ``out``; returns its parameter count.
+    ``device``: the torch device the weights are drawn on (an accelerator draws billions fast)."""
     from transformers import AutoModelForCausalLM
 
     config = hf_config(name)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(out)
     return model.num_parameters()
 
@@ -37,10 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the saved weights (default: bfloat16, as the real checkpoints)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-device", default="cpu", help="torch device to draw the weights on (default: cpu)")
     parser.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    params = write_random_model(args.like, args.out, getattr(torch, args.dtype), args.seed)
+    params = write_random_model(args.like, args.out, getattr(torch, args.dtype), args.seed, args.init_device)
     print(f"wrote {args.out}: random {args.like} ({params / 1e6:.1f}M parameters, {args.dtype})")
     return 0

@@ -17,6 +17,8 @@ from chitu_core.config import EngineConfig
 from chitu_core.distributed.communicator import Communicator
 from chitu_core.engine.block_manager import BlockManager
 from chitu_core.engine.detokenizer import IncrementalDetokenizer
+from chitu_core.engine.graphs import DecodeGraphs
+from chitu_core.engine.memory import kv_budget_from_profile, largest_step
 from chitu_core.engine.model_runner import ModelRunner, StepResult
 from chitu_core.engine.outputs import CompletionOutput, RequestOutput
 from chitu_core.engine.scheduler import Scheduler
@@ -84,6 +86,9 @@ class LLMEngine:
         self.model.eval()
 
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
+        self.model_vocab = hf_config.vocab_size
+        self.graph_runner = None if config.enforce_eager else self.backend.graph_runner()
+        self.max_graph_batch = min(config.max_num_seqs, config.max_graph_batch_size)
         num_blocks = self._num_blocks(geometry.num_layers, block_size)
         kv_caches = [self.attention.allocate_kv_cache(num_blocks) for _ in range(geometry.num_layers)]
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
@@ -94,6 +99,12 @@ class LLMEngine:
         sync = self.backend.synchronize if config.profile_steps else None
         self.runner = ModelRunner(self.model, self.attention, kv_caches, Sampler(self.ops), self.device,
                                   self.vocab_size, self.eos_token_ids, sync)
+        if self.graph_runner is not None:
+            self.runner.graphs = DecodeGraphs(self.model, self.attention, kv_caches, self.graph_runner,
+                                              self.max_graph_batch, self.max_model_len, self.device,
+                                              self.backend.pin_memory())
+            with torch.inference_mode():
+                self.runner.graphs.capture()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -101,15 +112,43 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         log.info("loaded %s on %s (%s), %d KV blocks of %d tokens", model_dir.architecture, self.backend.name, self.dtype, num_blocks, block_size)
 
+    def _kv_budget(self, num_layers: int) -> int:
+        """Bytes for the KV cache: kv_cache_memory if set; else, with gpu_memory_utilization, that share
+        of the device less a profiled largest step and the graphs' reserve; else the backend's budget."""
+        config = self.config
+        if config.kv_cache_memory:
+            return config.kv_cache_memory
+        if config.gpu_memory_utilization is None:
+            return self.backend.kv_cache_budget()
+        step = lambda: largest_step(self.model, self.attention, num_layers, config.max_num_batched_tokens,  # noqa: E731
+                                    self.max_model_len, config.max_num_seqs, self.device)
+        peak = self.backend.measure_peak_memory(step)
+        if peak is None:
+            raise ChituError(f"backend {self.backend.name!r} cannot measure device memory, so gpu_memory_utilization "
+                             "cannot be applied; set kv_cache_memory (bytes) instead")
+        total = self.backend.memory_info().total_bytes
+        # Decode graphs keep their float32 and model-dtype logits, plus some activations, for good.
+        reserve = 0 if self.graph_runner is None else self.max_graph_batch * self.model_vocab * 8 + (256 << 20)
+        budget = kv_budget_from_profile(total, config.gpu_memory_utilization, peak, reserve)
+        log.info("memory: %.2f GiB total, peak of the largest step %.2f GiB, graph reserve %.2f GiB -> KV cache %.2f GiB",
+                 total / 2**30, peak / 2**30, reserve / 2**30, budget / 2**30)
+        if budget <= 0:
+            raise ChituError(
+                f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves nothing for the "
+                f"KV cache: the largest step peaks at {peak / 2**30:.2f} GiB (weights included) and decode graphs reserve "
+                f"{reserve / 2**30:.2f} GiB; raise it, or lower max_num_batched_tokens / max_num_seqs")
+        return budget
+
     def _num_blocks(self, num_layers: int, block_size: int) -> int:
         config = self.config
-        budget = config.kv_cache_memory or self.backend.kv_cache_budget()
+        budget = self._kv_budget(num_layers)
         per_block = self.attention.bytes_per_block() * num_layers
         # Never more than the configured limits can use: max_num_seqs sequences of max_model_len.
         useful = config.max_num_seqs * -(-self.max_model_len // block_size)
         num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
-            raise ChituError(f"kv_cache_memory={budget} bytes is less than one KV block ({per_block} bytes)")
+            raise ChituError(f"the KV cache budget of {budget} bytes is less than one KV block ({per_block} bytes); "
+                             "give it more with kv_cache_memory or gpu_memory_utilization")
         if num_blocks * block_size < self.max_model_len:
             if config.max_model_len:
                 raise ChituError(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.engine.graphs import DecodeGraphs
 from chitu_core.engine.scheduler import ScheduledBatch
 from chitu_core.layers.context import StepContext
 from chitu_core.sampling.sampler import Sampler, SamplingBatch
@@ -30,6 +31,16 @@ class ModelRunner:
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self.synchronize = synchronize  # when set (profiling), called after the forward to time it
         self.last_forward_seconds = 0.0
+        self.graphs: DecodeGraphs | None = None  # set by the engine where the backend captures graphs
+
+    def graph_size(self, batch: ScheduledBatch) -> int | None:
+        """The captured batch size this step replays, or None to run it eagerly: graphs serve
+        steps in which every sequence brings exactly one token."""
+        if self.graphs is None or len(batch.seqs) > self.graphs.max_batch:
+            return None
+        if any(n != 1 for n in batch.num_new_tokens):
+            return None
+        return self.graphs.bucket(len(batch.seqs))
 
     def _to_device(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -69,15 +80,21 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[StepResult | None]:
         """One forward and sample. Returns, per scheduled sequence, its new token or None if it
         has not reached its last token yet (a partial prefill)."""
-        token_ids, positions, meta = self.prepare(batch)
-        start = time.perf_counter()
-        hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches))
-        ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens]
-        logits = None
-        if sampling:
-            last_rows = torch.tensor(batch.num_new_tokens).cumsum(0)[sampling] - 1
-            logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
+        size = self.graph_size(batch)
+        if size is not None:
+            start = time.perf_counter()
+            logits = self.graphs.run(batch.seqs, size)
+            sampling = list(range(len(batch.seqs)))
+        else:
+            token_ids, positions, meta = self.prepare(batch)
+            start = time.perf_counter()
+            hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches))
+            ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
+            sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens]
+            logits = None
+            if sampling:
+                last_rows = torch.tensor(batch.num_new_tokens).cumsum(0)[sampling] - 1
+                logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
         if self.synchronize is not None:
             self.synchronize()
             self.last_forward_seconds = time.perf_counter() - start
@@ -96,10 +113,12 @@ class ModelRunner:
         )
         out = self.sampler(logits, sbatch)
         # One device-to-host copy for everything the host needs this step.
-        parts = [out.tokens.double()[:, None]]
-        if out.logprobs is not None:
-            parts += [out.logprobs.double()[:, None], out.top_ids.double(), out.top_logprobs.double()]
-        host = torch.cat(parts, dim=1).tolist()
+        if out.logprobs is None:
+            host = out.tokens[:, None].tolist()
+        else:
+            parts = [out.tokens.double()[:, None], out.logprobs.double()[:, None], out.top_ids.double(),
+                     out.top_logprobs.double()]
+            host = torch.cat(parts, dim=1).tolist()
         results: list[StepResult | None] = [None] * len(batch.seqs)
         k = sbatch.max_logprobs or 0
         for row, i in enumerate(sampling):

@@ -25,16 +25,16 @@ class SamplingBatch:
     has banned tokens; their [B, V] tables are built on the device in a few vectorized ops.
     """
 
-    temperature: torch.Tensor  # float32 [B]
-    top_k: torch.Tensor  # int64 [B]
-    top_p: torch.Tensor  # float32 [B]
-    min_p: torch.Tensor  # float32 [B]
-    seeds: torch.Tensor  # int64 [B]
-    counters: torch.Tensor  # int64 [B], the number of tokens each row has sampled so far
     all_greedy: bool
     use_top_k_top_p: bool
     use_min_p: bool
     max_logprobs: int | None
+    temperature: torch.Tensor | None = None  # float32 [B]; these six are None when all rows are greedy
+    top_k: torch.Tensor | None = None  # int64 [B]
+    top_p: torch.Tensor | None = None  # float32 [B]
+    min_p: torch.Tensor | None = None  # float32 [B]
+    seeds: torch.Tensor | None = None  # int64 [B]
+    counters: torch.Tensor | None = None  # int64 [B], the number of tokens each row has sampled so far
     repetition: torch.Tensor | None = None  # float32 [B]
     frequency: torch.Tensor | None = None  # float32 [B]
     presence: torch.Tensor | None = None  # float32 [B]
@@ -64,18 +64,20 @@ class SamplingBatch:
 
         rows = len(params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy = all(p.greedy for p in params)
         batch = cls(
-            temperature=t([p.temperature for p in params], torch.float32),
-            top_k=t([p.top_k for p in params], torch.int64),
-            top_p=t([p.top_p for p in params], torch.float32),
-            min_p=t([p.min_p for p in params], torch.float32),
-            seeds=t(seeds, torch.int64),
-            counters=t(counters, torch.int64),
-            all_greedy=all(p.greedy for p in params),
+            all_greedy=all_greedy,
             use_top_k_top_p=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             use_min_p=any(not p.greedy and p.min_p > 0 for p in params),
             max_logprobs=max(wanted) if wanted else None,
         )
+        if not all_greedy:  # greedy rows read none of these: an all-greedy step copies nothing
+            batch.temperature = t([p.temperature for p in params], torch.float32)
+            batch.top_k = t([p.top_k for p in params], torch.int64)
+            batch.top_p = t([p.top_p for p in params], torch.float32)
+            batch.min_p = t([p.min_p for p in params], torch.float32)
+            batch.seeds = t(seeds, torch.int64)
+            batch.counters = t(counters, torch.int64)
         penalized = [i for i, p in enumerate(params) if p.uses_penalties]
         if penalized:  # rows without penalties keep empty tables: their penalties are neutral
             batch.repetition = t([p.repetition_penalty for p in params], torch.float32)

@@ -72,9 +72,27 @@ class NvidiaBackend(Backend):
         return "nccl"
 
     def graph_runner(self):
-        """None for now: decode steps run eagerly. CUDA graphs (captured per batch-size bucket) are
-        the next slice of this backend."""
-        return None
+        from chitu_nvidia.graphs import CudaGraphRunner
+
+        return CudaGraphRunner()
+
+    def pin_memory(self) -> bool:
+        return True
+
+    def measure_peak_memory(self, fn, index: int = 0) -> int:
+        """Peak of PyTorch's allocator during ``fn`` plus what the process holds outside it (CUDA
+        context, cuBLAS and NCCL workspaces; also other processes' use of the device, which this
+        process cannot tell apart and must leave alone anyway)."""
+        torch.cuda.synchronize(index)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(index)
+        fn()
+        torch.cuda.synchronize(index)
+        free, total = torch.cuda.mem_get_info(index)
+        outside = total - free - torch.cuda.memory_reserved(index)
+        peak = torch.cuda.max_memory_allocated(index)
+        torch.cuda.empty_cache()
+        return peak + max(0, outside)
 
     def kv_cache_budget(self, index: int = 0) -> int:
         """KV_CACHE_SHARE of the memory free after the weights are loaded (what the driver reports

@@ -1,0 +1,109 @@
+"""Decode steps through the backend's graph runner: captured once per padded batch size, replayed.
+
+A decode step (every scheduled sequence brings one token) of B sequences runs the
+graph captured for the smallest bucket >= B. The graphs read static device
+buffers that each step refills with two host-to-device copies from pinned
+staging memory: one packed int64 block (token ids, positions, cache slots,
+sequence lengths) and the block tables. Rows past B are padding: slot -1 (the
+cache write skips it) and sequence length 1 (attention reads one real key), so
+their outputs are finite and ignored. The graph ends with the logits of all its
+rows; sampling runs eagerly on the first B.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.backend import GraphRunner
+from chitu_core.layers.context import StepContext
+
+log = logging.getLogger(__name__)
+
+IDS, POSITIONS, SLOTS, SEQ_LENS = range(4)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16, then ``max_batch`` itself."""
+    return [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+
+
+def _pinned(shape, dtype, pin: bool) -> torch.Tensor:
+    t = torch.zeros(shape, dtype=dtype)
+    return t.pin_memory() if pin else t
+
+
+class DecodeGraphs:
+    def __init__(self, model, attention: AttentionBackend, kv_caches: list[torch.Tensor], runner: GraphRunner,
+                 max_batch: int, max_seq_len: int, device: torch.device, pin_memory: bool):
+        self.model, self.attention, self.kv_caches, self.runner = model, attention, kv_caches, runner
+        self.sizes = bucket_sizes(max_batch)
+        self.max_seq_len, self.block_size = max_seq_len, attention.block_size
+        rows, width = self.sizes[-1], -(-max_seq_len // attention.block_size)
+        self.packed = torch.zeros((4, rows), dtype=torch.int64, device=device)
+        self.packed[SLOTS] = -1
+        self.packed[SEQ_LENS] = 1
+        self.tables = torch.zeros((rows, width), dtype=torch.int32, device=device)
+        self.tables_in = torch.zeros(rows * width, dtype=torch.int32, device=device)  # compact [B, w] landing
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.host_packed = _pinned((4, rows), torch.int64, pin_memory)
+        self.host_tables = _pinned(rows * width, torch.int32, pin_memory)
+        self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first (so that the smaller ones fit in its memory)."""
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            self.replays[size] = self.runner.capture(self._step_fn(size))
+        log.info("captured decode graphs for batch sizes %s in %.1f s", self.sizes, time.perf_counter() - start)
+
+    def _step_fn(self, size: int) -> Callable[[], torch.Tensor]:
+        meta = AttentionMetadata(
+            slot_mapping=self.packed[SLOTS, :size], block_tables=self.tables[:size], seq_lens=self.seq_lens[:size],
+            context_lens=self.context_lens[:size], query_start_loc=self.query_start[: size + 1],
+            max_query_len=1, max_seq_len=self.max_seq_len, block_size=self.block_size,
+        )
+        meta.backend_state = self.attention.prepare(meta)  # planned for the longest sequence
+        step = StepContext(meta, self.kv_caches)
+        packed, seq_lens, context_lens = self.packed, self.seq_lens, self.context_lens
+
+        def fn() -> torch.Tensor:
+            seq_lens[:size].copy_(packed[SEQ_LENS, :size])
+            torch.sub(packed[SEQ_LENS, :size], 1, out=context_lens[:size])
+            hidden = self.model(packed[IDS, :size], packed[POSITIONS, :size], step)
+            return self.model.compute_logits(hidden)
+
+        return fn
+
+    def bucket(self, batch_size: int) -> int | None:
+        """The captured size a batch of ``batch_size`` decodes runs in, or None if it is too large."""
+        return next((s for s in self.sizes if s >= batch_size), None)
+
+    def run(self, seqs, size: int) -> torch.Tensor:
+        """Decode one token for each of ``seqs`` in the graph of ``size`` rows: float32 logits [B, V]."""
+        b, bs = len(seqs), self.block_size
+        width = max(len(s.block_table) for s in seqs)
+        positions = [s.num_computed_tokens for s in seqs]
+        host = self.host_packed
+        host[IDS, :b] = torch.tensor([s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)])
+        host[POSITIONS, :b] = torch.tensor(positions)
+        host[SLOTS, :b] = torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)])
+        host[SEQ_LENS, :b] = host[POSITIONS, :b] + 1
+        host[IDS:POSITIONS + 1, b:size] = 0
+        host[SLOTS, b:size] = -1
+        host[SEQ_LENS, b:size] = 1
+        tables = self.host_tables[: b * width].view(b, width)
+        tables.copy_(torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32))
+        self.packed.copy_(host, non_blocking=True)
+        landed = self.tables_in[: b * width]
+        landed.copy_(self.host_tables[: b * width], non_blocking=True)
+        self.tables[:b, :width].copy_(landed.view(b, width))
+        return self.replays[size]()[:b]

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The NVIDIA backend's acceptance runs on a lent GPU machine, from the repository root, with the
+# missing wheels in .whl (bash ../shared/gpu/wheels.sh, plus setuptools). Writes under $OUT.
+#   bash plugins/nvidia/scripts/gpu_bench.sh conformance bench8b smollm   # any of the steps, in order
+# Steps: conformance (the op suite's matrix), bench8b (Llama-3.1-8B config, random bf16 weights,
+# batch 1 and 64, against transformers), smollm (SmolLM2-135M config, batch 1), check (kernels,
+# model against transformers, profile: gpu_check.py).
+set -uo pipefail
+OUT=${OUT:-/tmp/chitu-out}
+mkdir -p "$OUT" ~/bt ~/site
+if [ ! -d ~/site/pydantic ]; then
+  python3 -m pip install -q --no-index --no-deps --target ~/bt .whl/setuptools-*.whl
+  python3 -m pip install -q --no-index --no-deps --target ~/site $(ls .whl/*.whl | grep -v setuptools)
+fi
+rm -rf ~/chitu
+PYTHONPATH=~/bt python3 -m pip install -q --no-index --no-deps --no-build-isolation --target ~/chitu . ./models ./plugins/nvidia
+export PYTHONPATH=~/chitu:~/site
+ROOT=$(pwd)
+cd /tmp
+
+bench() {  # name, then bench offline arguments
+  local name=$1; shift
+  python3 -m chitu_core.bench offline --input-len 128 --output-len 256 --runs 3 --no-profile --peer hf "$@" \
+    --json > "$OUT/$name.json" 2> "$OUT/$name.err" || tail -20 "$OUT/$name.err"
+  python3 - "$OUT/$name.json" <<'EOF'
+import json, sys
+from chitu_core.bench.offline import render
+print(render(json.load(open(sys.argv[1]))))
+EOF
+}
+
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    conformance) python3 -m chitu_core.conformance --backend nvidia --format md --quiet > "$OUT/conformance.md"
+                 tail -40 "$OUT/conformance.md" ;;
+    bench8b) [ -d /tmp/llama8b ] || python3 -m chitu_core.bench random-model --like llama-3.1-8b --out /tmp/llama8b --init-device cuda
+             bench llama8b-b1 --model /tmp/llama8b --batch-size 1
+             bench llama8b-b64 --model /tmp/llama8b --batch-size 64 ;;
+    smollm) [ -d /tmp/smollm ] || python3 -m chitu_core.bench random-model --like smollm2-135m --out /tmp/smollm --init-device cuda
+            bench smollm-b1 --model /tmp/smollm --batch-size 1 ;;
+    check) OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/gpu_check.py" environment build_model model_vs_transformers profile ;;
+  esac
+done
