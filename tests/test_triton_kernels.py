@@ -239,3 +239,38 @@ def test_fused_rotary_then_attend_equals_rotary_then_forward():
     rq, rk = rotary.rotary_embedding(positions, q, k, cos_sin, True)
     want = attn.forward(rq, rk, v, cache, meta, scale)
     assert torch.equal(fused_cache, cache) and torch.equal(got, want)
+
+
+def test_attention_layer_fuses_rotary_where_the_backend_does(monkeypatch):
+    """The model's attention layer hands RoPE to a backend that fuses it with the cache write, and gets
+    exactly what the separate rotary op followed by ``forward`` gives."""
+    from types import SimpleNamespace
+
+    from chitu_core.layers.attention import Attention
+    from chitu_core.layers.context import StepContext
+
+    hq, hk, d, block_size = 8, 2, 64, 16
+    tables, num_blocks = allocate_blocks([20, 7], block_size, spare=1)
+    meta = metadata(tables, [0, 0], [20, 7], block_size)
+    positions, q, k, cos_sin = rotary_inputs(torch.float32, 27, hq, hk, d, d, "sliced")
+    v = randn(27, hk, d)
+    attn = make_attention(hq, hk, d, block_size)
+    meta.backend_state = attn.prepare(meta)
+    rope = SimpleNamespace(cos_sin_cache=cos_sin, is_neox=True)
+    rope_calls = []
+
+    def apply_rope(pos, q_, k_):
+        rope_calls.append(1)
+        return rotary.rotary_embedding(pos, q_, k_, cos_sin, True)
+
+    rope.__call__ = apply_rope
+    layer = Attention(hq, hk, d, 0, SimpleNamespace(attention=attn))
+    outs, caches = [], []
+    for fused in (True, False):
+        monkeypatch.setattr(type(attn), "fuses_rotary", fused)
+        cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+        outs.append(layer(q, k, v, StepContext(meta, [cache]), SimpleNamespace(**vars(rope)) if fused else apply_rope,
+                          positions))
+        caches.append(cache)
+    assert rope_calls == [1]  # only the unfused run used the rotary op
+    assert torch.equal(caches[0], caches[1]) and torch.equal(outs[0], outs[1])

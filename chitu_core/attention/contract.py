@@ -66,6 +66,9 @@ class AttentionBackend(ABC):
     name: ClassVar[str] = "attention"
     block_sizes: ClassVar[tuple[int, ...]] = (16,)
     """Block sizes (tokens per block) this backend supports; the first is its default."""
+    fuses_rotary: ClassVar[bool] = False
+    """True where the backend applies RoPE while writing the cache (``rotary_and_write_kv``, then
+    ``attend``): the attention layer then skips its separate rotary pass over q and k."""
 
     def __init__(
         self,
@@ -115,3 +118,13 @@ class AttentionBackend(ABC):
         Writes k and v to ``meta.slot_mapping`` in the cache, then returns [T, num_heads, D]:
         for each new token, softmax(scale * q . K^T) V over its sequence's keys at positions
         <= its own (context tokens and earlier new tokens), accumulated in float32."""
+
+    def rotary_and_write_kv(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor,
+                            is_neox: bool, kv_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """Only where ``fuses_rotary``: the op ``rotary_embedding`` of q and k (returned), with the rotated
+        k and v written at ``meta.slot_mapping`` as ``forward`` would."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not fuse rotary embedding")
+
+    def attend(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        """Only where ``fuses_rotary``: ``forward`` after the step's keys and values are in the cache."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not fuse rotary embedding")

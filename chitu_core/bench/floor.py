@@ -12,23 +12,24 @@ from collections.abc import Callable
 
 import torch
 
-COPY_BYTES = 256 << 20
+COPY_BYTES = 1 << 30
 
 
-def copy_bandwidth(device: torch.device, synchronize: Callable[[], None], repeats: int = 20) -> float:
-    """Bytes per second that a large tensor copy moves on ``device`` (read + write): the median of
-    ``repeats`` timed copies of COPY_BYTES, after a warm-up."""
+def copy_bandwidth(device: torch.device, synchronize: Callable[[], None], repeats: int = 10, trials: int = 3) -> float:
+    """Bytes per second that a large tensor copy moves on ``device`` (read + write): ``repeats``
+    back-to-back copies of COPY_BYTES between two synchronizations, the median of ``trials``."""
     src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    times = []
-    for i in range(repeats + 2):
+    dst.copy_(src)  # warm-up
+    rates = []
+    for _ in range(trials):
         synchronize()
         start = time.perf_counter()
-        dst.copy_(src)
+        for _ in range(repeats):
+            dst.copy_(src)
         synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return 2 * COPY_BYTES / statistics.median(times)
+        rates.append(2 * COPY_BYTES * repeats / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 def weight_bytes_read(model) -> int:

@@ -52,6 +52,8 @@ class DecodeGraphs:
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.host_packed = _pinned((4, rows), torch.int64, pin_memory)
         self.host_tables = _pinned(rows * width, torch.int32, pin_memory)
+        self.host_packed_np, self.host_tables_np = self.host_packed.numpy(), self.host_tables.numpy()
+        self._tables_key = None
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
 
     @property
@@ -87,23 +89,33 @@ class DecodeGraphs:
         """The captured size a batch of ``batch_size`` decodes runs in, or None if it is too large."""
         return next((s for s in self.sizes if s >= batch_size), None)
 
+    def invalidate(self) -> None:
+        """Forget which block tables the device holds (an eager step may have changed any)."""
+        self._tables_key = None
+
     def run(self, seqs, size: int) -> torch.Tensor:
         """Decode one token for each of ``seqs`` in the graph of ``size`` rows: float32 logits [B, V]."""
         b, bs = len(seqs), self.block_size
-        width = max(len(s.block_table) for s in seqs)
         positions = [s.num_computed_tokens for s in seqs]
-        host = self.host_packed
-        host[IDS, :b] = torch.tensor([s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)])
-        host[POSITIONS, :b] = torch.tensor(positions)
-        host[SLOTS, :b] = torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)])
+        host = self.host_packed_np
+        host[IDS, :b] = [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
+        host[POSITIONS, :b] = positions
+        host[SLOTS, :b] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
         host[SEQ_LENS, :b] = host[POSITIONS, :b] + 1
         host[IDS:POSITIONS + 1, b:size] = 0
         host[SLOTS, b:size] = -1
         host[SEQ_LENS, b:size] = 1
-        tables = self.host_tables[: b * width].view(b, width)
-        tables.copy_(torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32))
-        self.packed.copy_(host, non_blocking=True)
-        landed = self.tables_in[: b * width]
-        landed.copy_(self.host_tables[: b * width], non_blocking=True)
-        self.tables[:b, :width].copy_(landed.view(b, width))
+        self.packed.copy_(self.host_packed, non_blocking=True)
+        # Tables only grow (a block appended) between eager steps: copy them when one did.
+        key = tuple((s.seq_id, len(s.block_table), s.block_table[-1]) for s in seqs)
+        if key != self._tables_key:
+            width = max(len(s.block_table) for s in seqs)
+            tables = self.host_tables_np[: b * width].reshape(b, width)
+            tables[:] = 0
+            for row, s in zip(tables, seqs):
+                row[: len(s.block_table)] = s.block_table
+            landed = self.tables_in[: b * width]
+            landed.copy_(self.host_tables[: b * width], non_blocking=True)
+            self.tables[:b, :width].copy_(landed.view(b, width))
+            self._tables_key = key
         return self.replays[size]()[:b]

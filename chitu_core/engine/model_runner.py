@@ -86,6 +86,8 @@ class ModelRunner:
             logits = self.graphs.run(batch.seqs, size)
             sampling = list(range(len(batch.seqs)))
         else:
+            if self.graphs is not None:
+                self.graphs.invalidate()
             token_ids, positions, meta = self.prepare(batch)
             start = time.perf_counter()
             hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches))

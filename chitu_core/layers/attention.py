@@ -13,7 +13,18 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx, self.scale = layer_idx, head_dim**-0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]."""
-        out = self.backend.forward(q, k, v, step.kv_caches[self.layer_idx], step.meta, self.scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepContext,
+                rotary=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]. With ``rotary`` (a RotaryEmbedding) and
+        ``positions``, q and k are rotated first: by the backend in its cache write where it fuses
+        the two, else by the rotary layer's op."""
+        cache = step.kv_caches[self.layer_idx]
+        if rotary is not None and self.backend.fuses_rotary:
+            q, _ = self.backend.rotary_and_write_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, cache,
+                                                    step.meta)
+            out = self.backend.attend(q, cache, step.meta, self.scale)
+        else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+            out = self.backend.forward(q, k, v, cache, step.meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -49,8 +49,7 @@ class DecoderAttention(nn.Module):
         q, k, v = q.view(t, self.hq, self.hd), k.view(t, self.hk, self.hd), v.view(t, self.hk, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, step))
+        return self.o_proj(self.attn(q, k, v, step, self.rotary, positions))
 
 
 class DecoderMLP(nn.Module):

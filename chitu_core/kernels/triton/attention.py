@@ -38,6 +38,7 @@ class TritonStepState:
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
     block_sizes = (16, 1, 8, 32, 64, 128)
+    fuses_rotary = True
     force_num_splits: int | None = None
     """Set (tests, tuning) to force a split-KV count instead of the planner's choice."""
     float32_dot_precision: str = "ieee"

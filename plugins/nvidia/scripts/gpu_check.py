@@ -23,6 +23,7 @@ the rest in .whl, with setuptools>=77 to build our three distributions), from th
 """
 
 import functools
+import gc
 import json
 import math
 import os
@@ -276,6 +277,27 @@ def build_model():
     log(f"model: {weight_bytes / 1e9:.2f} GB of bf16 weights read per decode step; saved to {path}")
 
 
+def _last_hidden(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The final hidden state of each prompt's last token, one eager prefill each."""
+    from chitu_core.attention.contract import AttentionMetadata
+    from chitu_core.layers.context import StepContext
+
+    engine, out = llm.engine, []
+    bs = engine.attention.block_size
+    with torch.inference_mode():
+        for p in prompts:
+            n = len(p)
+            blocks = -(-n // bs)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(n, device=DEV), block_tables=torch.arange(blocks, dtype=torch.int32, device=DEV)[None],
+                seq_lens=torch.tensor([n], dtype=torch.int32, device=DEV), context_lens=torch.zeros(1, dtype=torch.int32, device=DEV),
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=DEV), max_query_len=n, max_seq_len=n, block_size=bs)
+            meta.backend_state = engine.attention.prepare(meta)
+            hidden = engine.model(torch.tensor(p, device=DEV), torch.arange(n, device=DEV), StepContext(meta, engine.runner.kv_caches))
+            out.append(hidden[-1])
+    return out
+
+
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     """The spacing of bfloat16 numbers at |x| (8 significant bits): the rounding a bf16 logit carries."""
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
@@ -305,7 +327,21 @@ def model_vs_transformers():
     outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     model.compute_logits = compute_logits
     first = captured[0].clone()  # the step that prefilled every prompt: one row each, in order
-    rows = []
+    RESULTS["model"] = dict(load_s=MODEL["load_s"], graphs=llm.engine.runner.graphs is not None,
+                            native=[n for n, s in llm.engine.ops.sources.items() if s.kind == "native"],
+                            fallback=llm.engine.ops.fallbacks())
+    del llm, model, captured
+    MODEL.pop("llm")
+    gc.collect()
+    torch.cuda.empty_cache()
+    # Ours in float32 (the same bf16 weights, upcast): the implementation without bf16's noise.
+    llm32 = LLM(str(MODEL["path"]), device="nvidia", dtype="float32", max_model_len=384, max_num_seqs=8,
+                load_progress=False)
+    first32 = torch.stack([llm32.engine.model.compute_logits(h) for h in _last_hidden(llm32, prompts)])
+    del llm32
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows, hf_bf16_first = [], []
     with torch.inference_mode():
         for dtype in (torch.bfloat16, torch.float32):
             hf.to(dtype)
@@ -327,13 +363,13 @@ def model_vs_transformers():
                     if div < len(same):  # transformers' own top-2 gap at the divergence
                         gap = float(top2[div, 0] - top2[div, 1])
                         row.update(divergence_gap=gap, divergence_gap_ulps=gap / float(tol[div]))
+                    hf_bf16_first.append(forced[0])
+                else:
+                    row.update(ours_fp32_nmse=nmse(first32[i], forced[0]), hf_bf16_nmse=nmse(hf_bf16_first[i], forced[0]))
                 rows.append(row)
                 log("model:", row)
         hf.to(torch.bfloat16)
     RESULTS["model_rows"] = rows
-    RESULTS["model"] = dict(load_s=MODEL["load_s"], graphs=llm.engine.runner.graphs is not None,
-                            native=[n for n, s in llm.engine.ops.sources.items() if s.kind == "native"],
-                            fallback=llm.engine.ops.fallbacks())
 
 
 @section
@@ -345,7 +381,10 @@ def profile():
     from chitu_core.bench.offline import random_prompts
     from chitu_core.sampling.params import SamplingParams
 
-    engine = MODEL["llm"].engine
+    from chitu_core import LLM
+
+    engine = LLM(str(MODEL["path"]), device="nvidia", dtype="bfloat16", max_model_len=384, max_num_seqs=64,
+                 load_progress=False).engine
     lines = []
     for b in (1, 64):
         for i, p in enumerate(random_prompts(b, 128, VOCAB, 3)):
@@ -400,7 +439,9 @@ def table() -> str:
             out.append(f"  {m['dtype']:<9} prompt {m['prompt_len']:>4}: NMSE {fmt(m['last_logits_nmse'])}, off "
                        f"{m['forced_off']}/32 ({m['forced_off_over_ulp']} over), worst {fmt(m['worst_margin'])} "
                        f"({fmt(m['worst_margin_ulps'])} ulps)" + (f", equal {m['equal_prefix']}/32" if "equal_prefix" in m else "")
-                       + (f", gap {fmt(m['divergence_gap'])} ({fmt(m['divergence_gap_ulps'])} ulps)" if "divergence_gap" in m else ""))
+                       + (f", gap {fmt(m['divergence_gap'])} ({fmt(m['divergence_gap_ulps'])} ulps)" if "divergence_gap" in m else "")
+                       + (f"; ours in float32 NMSE {fmt(m['ours_fp32_nmse'])}, transformers bf16 NMSE {fmt(m['hf_bf16_nmse'])}"
+                          if "ours_fp32_nmse" in m else ""))
     for b in (1, 64):
         p = r.get(f"profile_b{b}")
         if p:
