@@ -31,6 +31,8 @@ class ServeConfig(EngineConfig):
     served_model_name: str | None = Field(None, description="the model name clients use (default: from the model path)")
     max_pending: int = Field(1024, ge=1, description="requests in flight before new ones get 503")
     log_level: str = Field("info", description="uvicorn log level")
+    engine_process: bool = Field(True, description="run the engine core in a process of its own (no GIL shared with "
+                                 "HTTP handling); off: in a thread of the server's process")
 
 
 def _split_config_file(argv: list[str]) -> tuple[dict, list[str]]:
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(config.model)
     name = config.served_model_name or (Path(config.model).stem if config.model else embedded_model_name())
     engine_fields = {k: getattr(config, k) for k in EngineConfig.model_fields}
-    llm = AsyncLLM(EngineConfig(**{**engine_fields, "model": model_dir}))
+    llm = AsyncLLM(EngineConfig(**{**engine_fields, "model": model_dir}), process=config.engine_process)
     app = build_app(llm, [name], config.api_key, config.max_pending)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     return 0

@@ -8,6 +8,7 @@ from builders import build_chat_model
 from chitu_core import LLM, SamplingParams
 from chitu_core.config import EngineConfig
 from chitu_core.engine.async_engine import AsyncLLM
+from chitu_core.errors import ChituError
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +110,92 @@ def test_stop_strings_are_never_streamed(model_path):
     streamed = "".join(d.outputs[0].text for d in deltas)
     assert streamed == text[: text.index(stop)]
     assert deltas[-1].outputs[0].finish_reason == "stop" and deltas[-1].outputs[0].stop_reason == stop
+
+
+# ----- the engine core in a process of its own (what `python -m chitu_core.serve` runs) -----
+
+
+def test_engine_process_streams_equal_offline_and_drain(model_path):
+    prompts = [list(range(7, 7 + n)) for n in (4, 30, 12)]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0 if i % 2 else 0.7, seed=i, ignore_eos=True)
+              for i in range(3)]
+    offline = LLM(model_path, device="cpu", dtype="float32", load_progress=False)
+    want = [o.outputs[0] for o in offline.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+    async def main():
+        llm = AsyncLLM(config(model_path), process=True)
+        try:
+            assert llm.engine is None and llm.max_model_len == offline.engine.max_model_len
+            with pytest.raises(ValueError, match="outside the vocabulary"):  # refused in the child, raised here
+                await collect(llm, [10**6], SamplingParams(max_tokens=2))
+            results = await asyncio.gather(*(collect(llm, p, s) for p, s in zip(prompts, params)))
+            await llm.wait_idle()
+            return results, llm.stats(), llm
+        finally:
+            await llm.shutdown()
+
+    results, stats, llm = asyncio.run(main())
+    for deltas, w in zip(results, want):
+        assert sum((d.outputs[0].token_ids for d in deltas), []) == w.token_ids
+        assert "".join(d.outputs[0].text for d in deltas) == w.text
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert stats.num_generated_tokens == sum(len(w.token_ids) for w in want)
+    assert stats.num_running == 0 and stats.kv_usage == 0.0
+    assert llm._process.exitcode == 0  # it left on "stop"
+
+
+def test_engine_process_that_cannot_load_says_why(tmp_path):
+    with pytest.raises(ChituError, match="engine process could not start: .*config.json"):
+        AsyncLLM(EngineConfig(model=str(tmp_path), device="cpu", load_progress=False), process=True)
+
+
+def test_engine_process_death_fails_the_open_streams(model_path):
+    async def main():
+        llm = AsyncLLM(config(model_path), process=True)
+        stream = await llm.add_request([3, 4, 5], SamplingParams(max_tokens=400, ignore_eos=True))
+        first = await stream.__anext__()
+        llm._process.kill()
+        with pytest.raises(ChituError, match="engine process exited"):
+            async for _ in stream:
+                pass
+        with pytest.raises(ChituError, match="engine stopped after an error"):
+            await llm.add_request([1], SamplingParams(max_tokens=1))
+        await llm.shutdown()
+        return first
+
+    assert asyncio.run(main()).outputs[0].token_ids
+
+
+def test_merge_deltas_joins_per_sample():
+    from chitu_core.engine.outputs import CompletionOutput, RequestOutput, merge_deltas
+
+    a = RequestOutput("r", "p", [1], [CompletionOutput(0, "ab", [5, 6], logprobs=[{5: -1.0}, {6: -2.0}]),
+                                      CompletionOutput(1, "x", [7])], delta=True)
+    b = RequestOutput("r", "p", [1], [CompletionOutput(1, "y", [8], "length"),
+                                      CompletionOutput(0, "c", [9], "stop", "c", [{9: -3.0}], -6.0)], True, True)
+    m = merge_deltas(a, b)
+    assert m.finished and m.delta and [c.index for c in m.outputs] == [0, 1]
+    assert (m.outputs[0].text, m.outputs[0].token_ids, m.outputs[0].logprobs) == ("abc", [5, 6, 9], [{5: -1.0}, {6: -2.0}, {9: -3.0}])
+    assert (m.outputs[0].finish_reason, m.outputs[0].stop_reason, m.outputs[0].cumulative_logprob) == ("stop", "c", -6.0)
+    assert (m.outputs[1].text, m.outputs[1].token_ids, m.outputs[1].finish_reason) == ("xy", [7, 8], "length")
+    assert a.outputs[0].token_ids == [5, 6]  # the inputs are left as they were
+
+
+def test_a_slow_consumer_gets_merged_deltas(model_path):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = LLM(model_path, device="cpu", dtype="float32", load_progress=False).generate(
+        {"prompt_token_ids": [9, 8, 7]}, params)[0].outputs[0]
+
+    async def main():
+        llm = AsyncLLM(config(model_path))
+        deltas = []
+        async for d in llm.generate([9, 8, 7], params):
+            deltas.append(d)
+            await asyncio.sleep(0.05)  # the engine runs ahead meanwhile
+        await llm.shutdown()
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert len(deltas) < 40 and any(len(d.outputs[0].token_ids) > 1 for d in deltas)
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == want.token_ids
+    assert "".join(d.outputs[0].text for d in deltas) == want.text and deltas[-1].finished

@@ -97,11 +97,11 @@ def test_offline_floor_runs_and_transformers_peer(tiny_dir):
     assert f["kv_bytes_mean"] == round(kv_per_token * B * (I + (1 + O - 1) / 2))
     assert f["step_ms"] == pytest.approx((weights + f["kv_bytes_mean"]) / (f["copy_gbps"] * 1e9) * 1e3, rel=1e-2)
     assert f["decode_tok_per_s"] == pytest.approx(B / (f["step_ms"] / 1e3), rel=1e-2)  # step_ms is rounded
-    assert r["floor_fraction"] == pytest.approx(r["decode_tok_per_s"] / f["decode_tok_per_s"], rel=1e-3)
+    assert r["floor_fraction"] == pytest.approx(r["decode_tok_per_s"] / f["decode_tok_per_s"], abs=1e-4)  # rounded
     p = r["peer"]
     assert p["mode"] == "eager generate, dynamic cache" and p["decode_tok_per_s"] > 0
     assert p["prefill_s"] < p["total_s"]
-    assert r["speedup_over_peer"] == pytest.approx(r["decode_tok_per_s"] / p["decode_tok_per_s"], rel=1e-2)
+    assert r["speedup_over_peer"] == pytest.approx(r["decode_tok_per_s"] / p["decode_tok_per_s"], abs=1e-3)
 
 
 def test_unknown_config_is_an_argument_error(tmp_path, capsys):

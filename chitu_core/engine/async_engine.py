@@ -1,11 +1,11 @@
-"""AsyncLLM: the engine for asyncio servers. The step loop runs in a thread of its own, off the event loop.
+"""AsyncLLM: the engine for asyncio servers. The engine core (scheduler, model runner, detokenizer)
+runs off the event loop: in a thread of its own, or with ``process=True`` in a process of its own,
+so that its step loop shares no GIL with HTTP handling (what ``python -m chitu_core.serve`` does).
 
-The event loop and the engine thread talk only through messages: the loop puts
-("add", ...) and ("abort", ...) commands on a queue; the engine thread applies
-them between steps, runs a step, and hands each request's delta outputs back
-to the loop with ``call_soon_threadsafe``. The engine is never touched from
-the loop, so its state needs no locks; the same interface could put the engine
-in a process of its own.
+The event loop and the engine core talk only through messages (``core.py``): the loop sends
+add / abort / idle / stop commands; the core applies them between steps, runs a step, and sends
+back each step's delta outputs in one message. A thread passes the messages as objects; a process
+pickles them through two pipes, read on this side by a thread that hands them to the loop.
 
     llm = AsyncLLM(EngineConfig(model=PATH, device="cpu"))
     async for delta in llm.generate(prompt_token_ids, SamplingParams(max_tokens=32)):
@@ -19,14 +19,16 @@ which frees its KV blocks at the next step boundary.
 import asyncio
 import itertools
 import logging
+import multiprocessing
 import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from chitu_core.config import EngineConfig
+from chitu_core.engine.core import EngineCore, run_core_process
 from chitu_core.engine.engine import EngineStats, LLMEngine
-from chitu_core.engine.outputs import RequestOutput
+from chitu_core.engine.outputs import RequestOutput, merge_deltas
 from chitu_core.errors import ChituError
 from chitu_core.sampling.params import SamplingParams
 
@@ -42,17 +44,80 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
-        self._commands: queue.Queue = queue.Queue()
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, process: bool = False):
+        """Start the engine core: in a thread (``engine`` may be given, already built), or with
+        ``process`` in a child process, which this call waits for until the model is loaded."""
         self._streams: dict[str, _Stream] = {}
+        self._waiting: dict[object, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # adds, idle waits
         self._ids = itertools.count()
-        self._stopping = threading.Event()
         self._stats = EngineStats()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="chitu-engine", daemon=True)
+        self._stopping = False
+        self.engine: LLMEngine | None = None
+        if process:
+            self._start_process(config)
+        else:
+            self.engine = engine or LLMEngine(config)
+            self.tokenizer, self.max_model_len = self.engine.tokenizer, self.engine.max_model_len
+            commands: queue.Queue = queue.Queue()
+            self._send_command = commands.put
+
+            def receive(block: bool):
+                try:
+                    return commands.get(block=block)
+                except queue.Empty:
+                    return None
+
+            core = EngineCore(self.engine, receive, self._dispatch)
+            self._thread = threading.Thread(target=core.run, name="chitu-engine", daemon=True)
+            self._thread.start()
+
+    def _start_process(self, config: EngineConfig) -> None:
+        from chitu_core.loader.gguf import resolve_model
+        from chitu_core.loader.hf import open_model_dir
+
+        context = multiprocessing.get_context("spawn")  # a forked child would inherit device state
+        commands_out, commands_in = context.Pipe(duplex=False)
+        outputs_out, outputs_in = context.Pipe(duplex=False)
+        self._process = context.Process(target=run_core_process, args=(config, commands_out, outputs_in),
+                                        name="chitu-engine-core", daemon=True)
+        self._process.start()
+        commands_out.close()
+        outputs_in.close()
+        self._commands, self._outputs_conn = commands_in, outputs_out
+        self._send_lock = threading.Lock()
+        try:
+            kind, info = outputs_out.recv()
+        except EOFError:
+            self._process.join(5)
+            raise ChituError(f"the engine process exited (code {self._process.exitcode}) before the model was loaded; "
+                             "its log above says why") from None
+        if kind == "failed":
+            self._process.join(5)
+            raise ChituError(f"the engine process could not start: {info}")
+        self.max_model_len = info["max_model_len"]
+        self.tokenizer = open_model_dir(resolve_model(config.model)).tokenizer()  # for the server's side
+        self._thread = threading.Thread(target=self._read_outputs, name="chitu-engine-reader", daemon=True)
         self._thread.start()
+
+    def _send_command(self, command: tuple) -> None:  # the process transport; a thread replaces it
+        with self._send_lock:
+            try:
+                self._commands.send(command)
+            except (BrokenPipeError, OSError) as exc:
+                if not self._stopping:
+                    self._dispatch(("failed", f"the engine process is gone ({exc})"))
+
+    def _read_outputs(self) -> None:
+        while True:
+            try:
+                message = self._outputs_conn.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    self._process.join(1)
+                    self._dispatch(("failed", f"the engine process exited (code {self._process.exitcode})"))
+                return
+            self._dispatch(message)
 
     # --- the event-loop side ----------------------------------------------------------------------
 
@@ -62,12 +127,19 @@ class AsyncLLM:
         Raises ValueError (or ChituError) if the engine refuses it. Closing the iterator before
         the end aborts the request; a caller that never iterates must ``abort`` it."""
         if self._error is not None:
-            raise ChituError(f"the engine stopped after an error: {self._error!r}")
+            raise ChituError(f"the engine stopped after an error: {self._error}")
         request_id = request_id or f"req-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        accepted = asyncio.get_running_loop().create_future()
-        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, priority, stream, accepted))
-        await accepted
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        accepted = loop.create_future()
+        self._streams[request_id] = stream
+        self._waiting[("add", request_id)] = (loop, accepted)
+        self._send_command(("add", request_id, prompt_token_ids, params, prompt, priority))
+        try:
+            await accepted
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
         return self._outputs(request_id, stream)
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -75,6 +147,10 @@ class AsyncLLM:
         try:
             while True:
                 item = await stream.queue.get()
+                # A consumer that fell behind gets what piled up as one delta: one chunk to send, not many.
+                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    item = later if isinstance(later, BaseException) else merge_deltas(item, later)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -94,7 +170,8 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Its blocks are freed before the next step."""
-        self._commands.put(("abort", request_id))
+        self._streams.pop(request_id, None)
+        self._send_command(("abort", request_id))
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters, as of the last step."""
@@ -102,72 +179,56 @@ class AsyncLLM:
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no request is queued or running (for tests and graceful shutdown)."""
-        done = asyncio.get_running_loop().create_future()
-        self._commands.put(("idle", done))
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        key = ("idle", next(self._ids))
+        self._waiting[key] = (loop, done)
+        self._send_command(("idle", key))
         await asyncio.wait_for(done, timeout)
 
     async def shutdown(self) -> None:
-        self._stopping.set()
-        self._commands.put(("stop",))
+        self._stopping = True
+        self._send_command(("stop",))
         await asyncio.to_thread(self._thread.join)
+        if self.engine is None:
+            await asyncio.to_thread(self._process.join, 30)
+            self._commands.close()
 
-    # --- the engine thread ------------------------------------------------------------------------
+    # --- messages from the engine core (on its thread, or on the reader thread) -------------------
 
-    def _loop(self) -> None:
-        idle_waiters: list[asyncio.Future] = []
-        while not self._stopping.is_set():
-            busy = self.engine.has_unfinished()
-            try:
-                command = self._commands.get(block=not busy and not idle_waiters, timeout=None)
-            except queue.Empty:
-                command = None
-            while command is not None:
-                if command[0] == "stop":
-                    return
-                if command[0] == "idle":
-                    idle_waiters.append(command[1])
-                else:
-                    self._apply(command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except BaseException as exc:  # a broken engine: fail every stream rather than hang them
-                    log.exception("engine step failed")
-                    self._error = exc
-                    for rid in list(self._streams):
-                        self._send(rid, ChituError(f"the engine failed: {exc!r}"))
-                    return
-                for out in outputs:
-                    self._send(out.request_id, out)
-                self._stats = EngineStats(**vars(self.engine.stats))
-            elif idle_waiters:
-                for fut in idle_waiters:
-                    fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
-                idle_waiters = []
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            _, outputs, self._stats = message
+            for out in outputs:
+                self._send(out.request_id, out)
+        elif kind in ("accepted", "rejected"):
+            self._resolve(("add", message[1]), message[2] if kind == "rejected" else None)
+        elif kind == "idle":
+            for key in message[1]:
+                self._resolve(key, None)
+        elif kind == "failed":
+            self._error = message[1]
+            error = ChituError(f"the engine failed: {message[1]}")
+            for rid in list(self._streams):
+                self._send(rid, error)
+            for key in list(self._waiting):
+                self._resolve(key, error)
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, request_id, ids, params, prompt, priority, stream, accepted = command
-            try:
-                self.engine.add_request(request_id, ids, params, prompt, priority)
-            except (ValueError, ChituError) as exc:
-                stream.loop.call_soon_threadsafe(lambda e=exc: accepted.done() or accepted.set_exception(e))
-                return
-            self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(lambda: accepted.done() or accepted.set_result(None))
-        elif command[0] == "abort":
-            request_id = command[1]
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
+    def _resolve(self, key, error: BaseException | None) -> None:
+        waiter = self._waiting.pop(key, None)
+        if waiter is None:
+            return
+        loop, future = waiter
+        if error is None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
 
     def _send(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
             return
         if isinstance(item, BaseException) or item.finished:
-            del self._streams[request_id]
+            self._streams.pop(request_id, None)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

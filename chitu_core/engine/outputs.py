@@ -34,3 +34,23 @@ class RequestOutput:
     finished: bool = False
     delta: bool = False
     metrics: RequestMetrics | None = None
+
+
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta holding what ``first`` and then ``later`` (two deltas of one request) hold: texts,
+    token ids and logprobs joined per sample; finish state, stop reason and metrics from ``later``."""
+    merged = {c.index: CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                                        list(c.logprobs) if c.logprobs is not None else None, c.cumulative_logprob)
+              for c in first.outputs}
+    for c in later.outputs:
+        m = merged.get(c.index)
+        if m is None:
+            merged[c.index] = c
+            continue
+        m.text += c.text
+        m.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            m.logprobs = (m.logprobs or []) + c.logprobs
+        m.finish_reason, m.stop_reason, m.cumulative_logprob = c.finish_reason, c.stop_reason, c.cumulative_logprob
+    return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids, [merged[i] for i in sorted(merged)],
+                         later.finished, True, later.metrics)

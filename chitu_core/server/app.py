@@ -42,7 +42,7 @@ class ServerState:
         self.served_names = served_names
         self.keys = parse_api_keys(api_keys)
         self.max_pending, self.pending = max_pending, 0
-        self.max_model_len = llm.engine.max_model_len
+        self.max_model_len = llm.max_model_len
         self.metrics = ServerMetrics(llm.stats, max_pending, lambda: self.pending)
 
     def check_model(self, name: str) -> None:

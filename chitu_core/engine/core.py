@@ -1,0 +1,92 @@
+"""The engine core's message loop: the whole interface between an ``LLMEngine`` and a server.
+
+Commands in (tuples): ("add", request_id, prompt_token_ids, params, prompt, priority),
+("abort", request_id), ("idle", key), ("stop",).
+Messages out: ("accepted", request_id), ("rejected", request_id, exception),
+("outputs", [RequestOutput deltas of one step], EngineStats), ("idle", [keys]),
+("failed", reason) after which the core stops. In a process of its own it first sends
+("ready", {"max_model_len": ...}), or ("failed", reason) if the model did not load.
+
+The same loop runs on a thread (``receive`` and ``send`` pass objects) or in a child
+process (``run_core_process``: they pickle through pipes).
+"""
+
+import logging
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from chitu_core.config import EngineConfig
+from chitu_core.engine.engine import EngineStats, LLMEngine
+from chitu_core.errors import ChituError
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, receive: Callable[[bool], tuple | None], send: Callable[[tuple], None]):
+        """``receive(block)`` returns the next command, or None when none is waiting and block is False."""
+        self.engine, self.receive, self.send = engine, receive, send
+
+    def run(self) -> None:
+        """Apply every waiting command, step, report; block for commands only while there is no work."""
+        engine = self.engine
+        idle_waiters: list = []
+        while True:
+            command = self.receive(not engine.has_unfinished() and not idle_waiters)
+            while command is not None:
+                if command[0] == "stop":
+                    return
+                if command[0] == "idle":
+                    idle_waiters.append(command[1])
+                else:
+                    self._apply(command)
+                command = self.receive(False)
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a broken engine: fail every stream rather than hang them
+                    log.exception("engine step failed")
+                    self.send(("failed", repr(exc)))
+                    return
+                self.send(("outputs", outputs, EngineStats(**vars(engine.stats))))
+            elif idle_waiters:
+                self.send(("idle", idle_waiters))
+                idle_waiters = []
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, request_id, ids, params, prompt, priority = command
+            try:
+                self.engine.add_request(request_id, ids, params, prompt, priority)
+            except (ValueError, ChituError) as exc:
+                self.send(("rejected", request_id, exc))
+                return
+            self.send(("accepted", request_id))
+        elif command[0] == "abort":
+            self.engine.abort_request(command[1])
+
+
+def run_core_process(config: EngineConfig, commands: Connection, outputs: Connection) -> None:
+    """The child process's entry point: load the engine, then serve the message loop until "stop"
+    or until the parent's end of the command pipe closes."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s[engine]: %(message)s")
+    try:
+        engine = LLMEngine(config)
+    except Exception as exc:
+        log.exception("the engine could not start")
+        outputs.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    outputs.send(("ready", {"max_model_len": engine.max_model_len}))
+
+    def receive(block: bool) -> tuple | None:
+        if not block and not commands.poll():
+            return None
+        try:
+            return commands.recv()
+        except EOFError:  # the parent went away
+            return ("stop",)
+
+    try:
+        EngineCore(engine, receive, outputs.send).run()
+    except (BrokenPipeError, OSError):
+        pass  # the parent closed its end: nobody is listening any more
