@@ -43,6 +43,11 @@ class _Stream:
     queue: asyncio.Queue
 
 
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, process: bool = False):
         """Start the engine core: in a thread (``engine`` may be given, already built), or with
@@ -109,15 +114,30 @@ class AsyncLLM:
                     self._dispatch(("failed", f"the engine process is gone ({exc})"))
 
     def _read_outputs(self) -> None:
+        """Hand the engine's messages to the loop. When several wait in the pipe (this side fell
+        behind), their deltas go out merged per request: fewer, larger chunks, never a backlog."""
+        conn = self._outputs_conn
         while True:
             try:
-                message = self._outputs_conn.recv()
+                messages = [conn.recv()]
+                while len(messages) < 256 and conn.poll():
+                    messages.append(conn.recv())
             except (EOFError, OSError):
                 if not self._stopping:
                     self._process.join(1)
                     self._dispatch(("failed", f"the engine process exited (code {self._process.exitcode})"))
                 return
-            self._dispatch(message)
+            deltas: dict[str, RequestOutput] = {}
+            for message in messages:
+                if message[0] != "outputs":
+                    self._dispatch(message)
+                    continue
+                self._stats = message[2]
+                for out in message[1]:
+                    earlier = deltas.get(out.request_id)
+                    deltas[out.request_id] = out if earlier is None else merge_deltas(earlier, out)
+            if deltas:
+                self._dispatch(("outputs", list(deltas.values()), self._stats))
 
     # --- the event-loop side ----------------------------------------------------------------------
 
@@ -200,8 +220,16 @@ class AsyncLLM:
         kind = message[0]
         if kind == "outputs":
             _, outputs, self._stats = message
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             for out in outputs:
-                self._send(out.request_id, out)
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            for loop, items in by_loop.items():  # one wake-up of each loop per step, not one per request
+                loop.call_soon_threadsafe(_put_all, items)
         elif kind in ("accepted", "rejected"):
             self._resolve(("add", message[1]), message[2] if kind == "rejected" else None)
         elif kind == "idle":

@@ -40,14 +40,16 @@ for step in "$@"; do
     smollm) [ -d /tmp/smollm ] || python3 -m chitu_core.bench random-model --like smollm2-135m --out /tmp/smollm --init-device cuda
             bench smollm-b1 --model /tmp/smollm --batch-size 1 ;;
     serve) [ -d /tmp/llama8b ] || python3 -m chitu_core.bench random-model --like llama-3.1-8b --out /tmp/llama8b --init-device cuda
-           python3 -m chitu_core.serve --model /tmp/llama8b --max-model-len 512 --max-num-seqs 64 --port 8391 \
-             --log-level warning > "$OUT/serve.log" 2>&1 &
-           pid=$!
-           for _ in $(seq 180); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8391/health')" 2>/dev/null && break; sleep 1; done
-           python3 -m chitu_core.bench serve --base-url http://127.0.0.1:8391 --model llama8b --concurrency 64 \
-             --num-prompts 64 --input-len 128 --output-len 256 --warmup 8 --json > "$OUT/serve-b64.json" || tail -20 "$OUT/serve.log"
-           kill $pid; wait $pid
-           python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print({k: v for k, v in x.items() if not isinstance(v, (list, dict))})" "$OUT/serve-b64.json"
+           for mode in engine-process no-engine-process; do
+             python3 -m chitu_core.serve --model /tmp/llama8b --max-model-len 512 --max-num-seqs 64 --port 8391 \
+               --log-level warning --$mode > "$OUT/serve-$mode.log" 2>&1 &
+             pid=$!
+             for _ in $(seq 180); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8391/health')" 2>/dev/null && break; sleep 1; done
+             python3 -m chitu_core.bench serve --base-url http://127.0.0.1:8391 --model llama8b --concurrency 64 \
+               --num-prompts 64 --input-len 128 --output-len 256 --warmup 8 --json > "$OUT/serve-$mode.json" || tail -20 "$OUT/serve-$mode.log"
+             kill $pid; wait $pid
+             python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print(sys.argv[2], {k: v for k, v in x.items() if not isinstance(v, (list, dict))})" "$OUT/serve-$mode.json" $mode
+           done
            bench llama8b-b64-total --model /tmp/llama8b --batch-size 64 --peer none ;;
     check) OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/gpu_check.py" environment build_model model_vs_transformers profile ;;
   esac
