@@ -57,6 +57,7 @@ def test_json_report_is_exact_and_consistent(server, tmp_path):
     assert [x["concurrency"] for x in r["results"]] == [1, 4]
     for x in r["results"]:
         assert (x["completed"], x["failed"], x["errors"], x["peak_in_flight"]) == (N, 0, [], x["concurrency"])
+        assert x["client_processes"] == 1
         assert (x["total_input_tokens"], x["total_output_tokens"]) == (N * I, N * O)
         assert x["output_tokens_from"] == "usage" and x["all_exact_output_len"] is True
         assert x["output_tok_per_s"] * x["duration_s"] == pytest.approx(N * O, rel=1e-3)
@@ -72,6 +73,20 @@ def test_json_report_is_exact_and_consistent(server, tmp_path):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert struct.unpack(">II", data[16:24]) == (1100, 420)  # IHDR: the figure's 11 x 4.2 inches at 100 dpi
+
+
+def test_client_processes_share_a_level(server):
+    """--client-procs 2: the level's requests split over two client processes that start together;
+    the report counts all of them, and the prompts are the same as from one process."""
+    done = bench(server.url, "--concurrency", "4", "--input-len", str(I), "--output-len", str(O), "--num-prompts", "6",
+                 "--vocab-size", "512", "--client-procs", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    x = json.loads(done.stdout)["results"][0]
+    assert (x["client_processes"], x["completed"], x["failed"]) == (2, 6, 0)
+    assert (x["total_input_tokens"], x["total_output_tokens"], x["all_exact_output_len"]) == (6 * I, 6 * O, True)
+    assert 2 <= x["peak_in_flight"] <= 4  # two gates of 2
+    assert x["output_tok_per_s"] * x["duration_s"] == pytest.approx(6 * O, rel=1e-3)
+    assert x["e2e_ms"]["p99"] <= x["duration_s"] * 1e3 + 0.01
 
 
 def test_chat_endpoint_text_table(server):

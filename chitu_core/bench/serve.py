@@ -96,7 +96,7 @@ class Client:
     def __init__(self, args: argparse.Namespace, max_connections: int):
         import httpx
 
-        self.httpx = httpx
+        self.args, self.httpx = args, httpx
         self.base = args.base_url.rstrip("/").removesuffix("/v1")
         self.model, self.chat = args.model, args.endpoint == "chat"
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -190,8 +190,8 @@ class Client:
         await self.http.aclose()
 
 
-async def run_level(client: Client, prompts: list, concurrency: int, output_len: int) -> dict[str, Any]:
-    """All prompts, at most ``concurrency`` in flight; returns the level's report."""
+async def gather_level(client: Client, prompts: list, concurrency: int, output_len: int) -> tuple[list, float, int]:
+    """All prompts, at most ``concurrency`` in flight: (results, seconds, peak in flight)."""
     gate = asyncio.Semaphore(concurrency)
     in_flight = peak = 0
 
@@ -207,7 +207,17 @@ async def run_level(client: Client, prompts: list, concurrency: int, output_len:
 
     start = time.perf_counter()
     results = await asyncio.gather(*(one(p) for p in prompts))
-    duration = time.perf_counter() - start
+    return results, time.perf_counter() - start, peak
+
+
+async def run_level(client: Client, prompts: list, concurrency: int, output_len: int, procs: int = 1) -> dict[str, Any]:
+    """One level's report; with ``procs`` > 1 the requests go out from that many client processes."""
+    if procs > 1:
+        from chitu_core.bench.serve_clients import gather_in_processes
+
+        results, duration, peak = gather_in_processes(client.args, prompts, concurrency, output_len, procs)
+    else:
+        results, duration, peak = await gather_level(client, prompts, concurrency, output_len)
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     sources = {r.tokens_from for r in ok}
@@ -215,6 +225,7 @@ async def run_level(client: Client, prompts: list, concurrency: int, output_len:
     errors = list(dict.fromkeys(r.error for r in results if not r.ok))
     return {
         "concurrency": concurrency,
+        "client_processes": procs,
         "peak_in_flight": peak,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -265,7 +276,7 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
                 if not client.chat and "vocab" in r.error.lower():
                     hint = f"\n(the prompts' token ids are drawn from [{ids[0]}, {ids[1]}): give --vocab-size for a smaller vocabulary)"
                 raise BenchError(f"the warm-up request to {client.url} failed: {r.error}{hint}")
-        levels = [await run_level(client, make(N), c, O) for c in args.concurrency]
+        levels = [await run_level(client, make(N), c, O, min(args.client_procs, c)) for c in args.concurrency]
     finally:
         await client.close()
     return {
@@ -363,13 +374,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="requests before the first level, not measured")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on the server, per read")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random prompts")
+    parser.add_argument("--client-procs", type=int, default=1,
+                        help="client processes sharing each level's requests (one Python client parses a few "
+                             "thousand stream events a second: use several against a fast server)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="draw throughput and latency")
     parser.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    for name in ("input_len", "output_len", "num_prompts"):
+    for name in ("input_len", "output_len", "num_prompts", "client_procs"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     if args.vocab_size is not None and args.vocab_size < 2:
