@@ -135,10 +135,11 @@ def test_engine_process_streams_equal_offline_and_drain(model_path):
             await llm.shutdown()
 
     results, stats, llm = asyncio.run(main())
-    for deltas, w in zip(results, want):
+    for deltas, w, prompt in zip(results, want, prompts):
         assert sum((d.outputs[0].token_ids for d in deltas), []) == w.token_ids
         assert "".join(d.outputs[0].text for d in deltas) == w.text
         assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        assert all(d.prompt_token_ids == prompt for d in deltas)  # restored on this side
     assert stats.num_generated_tokens == sum(len(w.token_ids) for w in want)
     assert stats.num_running == 0 and stats.kv_usage == 0.0
     assert llm._process.exitcode == 0  # it left on "stop"

@@ -41,6 +41,8 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    prompt_token_ids: list[int]
+    prompt: str | None
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
@@ -150,7 +152,7 @@ class AsyncLLM:
             raise ChituError(f"the engine stopped after an error: {self._error}")
         request_id = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = _Stream(loop, asyncio.Queue(), prompt_token_ids, prompt)
         accepted = loop.create_future()
         self._streams[request_id] = stream
         self._waiting[("add", request_id)] = (loop, accepted)
@@ -227,6 +229,8 @@ class AsyncLLM:
                     continue
                 if out.finished:
                     self._streams.pop(out.request_id, None)
+                if out.prompt_token_ids is None:  # from a process: the prompt stayed here
+                    out.prompt_token_ids, out.prompt = stream.prompt_token_ids, stream.prompt
                 by_loop.setdefault(stream.loop, []).append((stream.queue, out))
             for loop, items in by_loop.items():  # one wake-up of each loop per step, not one per request
                 loop.call_soon_threadsafe(_put_all, items)

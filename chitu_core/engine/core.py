@@ -8,11 +8,13 @@ Messages out: ("accepted", request_id), ("rejected", request_id, exception),
 ("ready", {"max_model_len": ...}), or ("failed", reason) if the model did not load.
 
 The same loop runs on a thread (``receive`` and ``send`` pass objects) or in a child
-process (``run_core_process``: they pickle through pipes).
+process (``run_core_process``: they pickle through pipes, and deltas travel without their
+request's prompt, which the client already holds).
 """
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from chitu_core.config import EngineConfig
@@ -86,7 +88,12 @@ def run_core_process(config: EngineConfig, commands: Connection, outputs: Connec
         except EOFError:  # the parent went away
             return ("stop",)
 
+    def send(message: tuple) -> None:
+        if message[0] == "outputs":  # the client has each request's prompt: leave it out of every delta
+            message = ("outputs", [replace(o, prompt=None, prompt_token_ids=None) for o in message[1]], message[2])
+        outputs.send(message)
+
     try:
-        EngineCore(engine, receive, outputs.send).run()
+        EngineCore(engine, receive, send).run()
     except (BrokenPipeError, OSError):
         pass  # the parent closed its end: nobody is listening any more

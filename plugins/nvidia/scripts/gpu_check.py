@@ -267,6 +267,8 @@ def build_model():
     with torch.device(DEV):
         hf = AutoModelForCausalLM.from_config(hf_config("llama-3.1-8b"), dtype=torch.bfloat16)
     hf.eval()
+    MODEL["inv_freq"] = {n: b.clone() for n, b in hf.named_buffers() if n.endswith("inv_freq")}
+    assert MODEL["inv_freq"] and all(b.dtype == torch.float32 for b in MODEL["inv_freq"].values())
     path = Path(tempfile.mkdtemp(prefix="llama8b-"))
     hf.save_pretrained(path)
     hf.generation_config.eos_token_id = None  # as ignore_eos: never stop, never mask EOS
@@ -296,6 +298,16 @@ def _last_hidden(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
             hidden = engine.model(torch.tensor(p, device=DEV), torch.arange(n, device=DEV), StepContext(meta, engine.runner.kv_caches))
             out.append(hidden[-1])
     return out
+
+
+def cast(hf, dtype: torch.dtype) -> None:
+    """hf.to(dtype), but RoPE's inverse frequencies stay float32: Module.to casts every floating buffer,
+    and inv_freq rounded to bfloat16 turns positions into wrong angles, more wrong the further they are.
+    The float32 values are the ones ``build_model`` kept."""
+    hf.to(dtype)
+    for name, value in MODEL["inv_freq"].items():
+        owner, _, attr = name.rpartition(".")
+        setattr(hf.get_submodule(owner), attr, value)
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -344,7 +356,7 @@ def model_vs_transformers():
     rows, hf_bf16_first = [], []
     with torch.inference_mode():
         for dtype in (torch.bfloat16, torch.float32):
-            hf.to(dtype)
+            cast(hf, dtype)
             for i, (p, ours) in enumerate(zip(prompts, outs)):
                 forced = hf(torch.tensor([p + ours[:-1]], device=DEV)).logits[0, len(p) - 1 :].float()
                 top2 = forced.topk(2, dim=1).values
@@ -368,7 +380,7 @@ def model_vs_transformers():
                     row.update(ours_fp32_nmse=nmse(first32[i], forced[0]), hf_bf16_nmse=nmse(hf_bf16_first[i], forced[0]))
                 rows.append(row)
                 log("model:", row)
-        hf.to(torch.bfloat16)
+        cast(hf, torch.bfloat16)
     RESULTS["model_rows"] = rows
 
 
