@@ -1,9 +1,9 @@
-"""``python -m chitu_core.bench {offline,random-model,serve} ...``; ``--help`` on each says more."""
+"""``python -m chitu_core.bench {offline,random-model,serve,report} ...``; ``--help`` on each says more."""
 
 import argparse
 import sys
 
-from chitu_core.bench import offline, random_model, serve
+from chitu_core.bench import offline, random_model, report, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     offline.add_arguments(commands.add_parser("offline", help="throughput and step times of one fixed batch"))
     random_model.add_arguments(commands.add_parser("random-model", help="write a random-weight model of a named config"))
     serve.add_arguments(commands.add_parser("serve", help="latency and throughput of an OpenAI-compatible server"))
+    report.add_arguments(commands.add_parser("report", help="one markdown page from a directory of results"))
     args = parser.parse_args(argv)
     return args.run(args)
 
