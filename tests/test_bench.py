@@ -108,3 +108,31 @@ def test_unknown_config_is_an_argument_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["random-model", "--like", "gpt-5", "--out", str(tmp_path)])
     assert exc.value.code == 2 and "invalid choice: 'gpt-5'" in capsys.readouterr().err
+
+
+def test_committed_benchmark_pages_are_what_report_makes():
+    """Every docs/benchmarks/<name>.md is the output of `bench report` on the directory beside it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    pages = sorted(root.glob("*.md"))
+    assert pages
+    for page in pages:
+        directory = page.with_suffix("").relative_to(root.parents[1]).as_posix()
+        done = subprocess.run([sys.executable, "-m", "chitu_core.bench", "report", directory], cwd=root.parents[1],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == page.read_text(), f"{page} differs from `bench report {directory}`: regenerate it"
+
+
+def test_report_of_an_offline_run(tiny_dir, tmp_path):
+    out = bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size", "2",
+                "--input-len", "4", "--output-len", "3", "--warmup", "0", "--json")
+    (tmp_path / "tiny-b2.json").write_text(out)
+    r = json.loads(out)
+    page = bench("report", str(tmp_path)).splitlines()
+    assert page[0] == f"# Benchmarks: {tmp_path.name}"
+    row = next(line for line in page if line.startswith("| tiny-b2 |")).split(" | ")
+    assert row[2:4] == ["2", "4/3"]
+    assert row[4].startswith(f"{r['decode_tok_per_s']:.1f} (") and row[7] == f"{100 * r['floor_fraction']:.1f}%"
+    assert row[8:] == ["-", "- |"]  # no peer

@@ -4,7 +4,10 @@
 #   bash plugins/nvidia/scripts/gpu_bench.sh conformance bench8b smollm   # any of the steps, in order
 # Steps: conformance (the op suite's matrix), bench8b (Llama-3.1-8B config, random bf16 weights,
 # batch 1 and 64, against transformers), smollm (SmolLM2-135M config, batch 1), check (kernels,
-# model against transformers, profile: gpu_check.py).
+# model against transformers, profile: gpu_check.py), serve (bench serve on a live server, engine in a
+# process and in a thread, SERVE_MODES picks; then the offline run of the same batch).
+# Commit what $OUT holds under docs/benchmarks/<machine>/ and make the page from it:
+#   python -m chitu_core.bench report docs/benchmarks/<machine> > docs/benchmarks/<machine>.md
 set -uo pipefail
 OUT=${OUT:-/tmp/chitu-out}
 mkdir -p "$OUT" ~/bt ~/site
@@ -40,7 +43,7 @@ for step in "$@"; do
     smollm) [ -d /tmp/smollm ] || python3 -m chitu_core.bench random-model --like smollm2-135m --out /tmp/smollm --init-device cuda
             bench smollm-b1 --model /tmp/smollm --batch-size 1 ;;
     serve) [ -d /tmp/llama8b ] || python3 -m chitu_core.bench random-model --like llama-3.1-8b --out /tmp/llama8b --init-device cuda
-           for mode in engine-process no-engine-process; do
+           for mode in ${SERVE_MODES:-engine-process no-engine-process}; do
              python3 -m chitu_core.serve --model /tmp/llama8b --max-model-len 512 --max-num-seqs 64 --port 8391 \
                --log-level warning --$mode > "$OUT/serve-$mode.log" 2>&1 &
              pid=$!
