@@ -90,6 +90,10 @@ class Backend(ABC):
         """A human-readable name of device ``index`` (its model), for reports."""
         return str(self.device(index))
 
+    def set_device(self, index: int) -> None:
+        """Make device ``index`` this process's current one (a tensor-parallel rank's), where the
+        backend has such a notion. Default: nothing."""
+
     def synchronize(self, index: int = 0) -> None:
         """Wait for queued work on device ``index`` (a no-op where execution is synchronous)."""
 

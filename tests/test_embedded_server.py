@@ -1,6 +1,7 @@
 """`python -m chitu_core.serve` with no --model: the embedded SmolLM2-135M-Instruct, answering for real."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,13 +39,21 @@ def served(tmp_path_factory):
             proc.kill()
             raise RuntimeError("the server did not come up in 240 s")
         time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    yield url, proc
+    # Ctrl-C: uvicorn shuts down, then the engine process leaves on "stop", leaking nothing.
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "leaked" not in out, out[-2000:]
+
+
+def test_the_engine_core_runs_in_a_process_of_its_own(served):
+    _, proc = served
+    children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout
+    assert "multiprocessing" in children  # the spawned engine core
 
 
 def test_the_embedded_default_knows_the_capital_of_france(served):
-    client = openai.OpenAI(base_url=served + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=served[0] + "/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=32,
                                        messages=[{"role": "user", "content": "What is the capital of France?"}])

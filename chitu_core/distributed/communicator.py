@@ -37,10 +37,21 @@ class Communicator:
         return cls(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
 
     def all_reduce(self, x: Tensor) -> Tensor:
-        """Sum of x over ranks, in place; returns x."""
+        """Sum of x over ranks, in place; returns x. x may be a non-contiguous view."""
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            self._in_place(x, lambda buf: dist.all_reduce(buf, group=self.group))
         return x
+
+    @staticmethod
+    def _in_place(x: Tensor, collective) -> None:
+        """Run an in-place collective on x through a contiguous buffer where x is a strided view
+        (some process-group backends take contiguous tensors only)."""
+        if x.is_contiguous():
+            collective(x)
+            return
+        buf = x.contiguous()
+        collective(buf)
+        x.copy_(buf)
 
     def all_gather(self, x: Tensor, dim: int = 0) -> Tensor:
         """Concatenation of every rank's x along ``dim``, in rank order."""
@@ -67,9 +78,9 @@ class Communicator:
         return out
 
     def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
-        """x from rank ``src`` on every rank, in place; returns x."""
+        """x from rank ``src`` on every rank, in place; returns x. x may be a non-contiguous view."""
         if self.world_size > 1:
-            dist.broadcast(x, src=src, group=self.group)
+            self._in_place(x, lambda buf: dist.broadcast(buf, src=src, group=self.group))
         return x
 
     def send(self, x: Tensor, dst: int) -> None:

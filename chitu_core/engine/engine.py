@@ -6,6 +6,7 @@ either way its whole interface is add_request / abort_request / step.
 
 import itertools
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -68,7 +69,11 @@ class LLMEngine:
         self.config = config
         self.backend = get_backend(config.device)
         self.backend.set_num_threads(config.num_threads)
-        self.device = self.backend.device()
+        # Under torchrun each process takes the device of its local rank, before joining the group.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device_index = local_rank % max(1, self.backend.device_count())
+        self.device = self.backend.device(self.device_index)
+        self.backend.set_device(self.device_index)
         self.ops = backend_ops(self.backend)
         model_dir = open_model_dir(resolve_model(config.model))
         hf_config = model_dir.config
@@ -96,7 +101,7 @@ class LLMEngine:
         self.tokenizer = model_dir.tokenizer()
         self.eos_token_ids = self._eos_ids(model_dir, hf_config)
         self.vocab_size = hf_config.vocab_size
-        sync = self.backend.synchronize if config.profile_steps else None
+        sync = (lambda: self.backend.synchronize(self.device_index)) if config.profile_steps else None
         self.runner = ModelRunner(self.model, self.attention, kv_caches, Sampler(self.ops), self.device,
                                   self.vocab_size, self.eos_token_ids, sync)
         if self.graph_runner is not None:
@@ -119,14 +124,14 @@ class LLMEngine:
         if config.kv_cache_memory:
             return config.kv_cache_memory
         if config.gpu_memory_utilization is None:
-            return self.backend.kv_cache_budget()
+            return self.backend.kv_cache_budget(self.device_index)
         step = lambda: largest_step(self.model, self.attention, num_layers, config.max_num_batched_tokens,  # noqa: E731
                                     self.max_model_len, config.max_num_seqs, self.device)
-        peak = self.backend.measure_peak_memory(step)
+        peak = self.backend.measure_peak_memory(step, self.device_index)
         if peak is None:
             raise ChituError(f"backend {self.backend.name!r} cannot measure device memory, so gpu_memory_utilization "
                              "cannot be applied; set kv_cache_memory (bytes) instead")
-        total = self.backend.memory_info().total_bytes
+        total = self.backend.memory_info(self.device_index).total_bytes
         # Decode graphs keep their float32 and model-dtype logits, plus some activations, for good.
         reserve = 0 if self.graph_runner is None else self.max_graph_batch * self.model_vocab * 8 + (256 << 20)
         budget = kv_budget_from_profile(total, config.gpu_memory_utilization, peak, reserve)

@@ -55,6 +55,9 @@ class NvidiaBackend(Backend):
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.bfloat16, torch.float16, torch.float32)
 
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
     def synchronize(self, index: int = 0) -> None:
         torch.cuda.synchronize(index)
 
