@@ -95,3 +95,27 @@ def test_world_of_one_returns_inputs_unchanged(monkeypatch):
         assert comm.broadcast(x, src=0) is x
         assert torch.equal(x, before)
     assert not dist.is_initialized()
+
+
+def test_in_place_collectives_hand_the_group_contiguous_tensors(monkeypatch):
+    """NCCL takes contiguous tensors only: an all_reduce or broadcast of a strided view goes through a
+    contiguous buffer, and the view gets the result."""
+    seen = []
+
+    def fake(op):
+        def run(t, *args, **kwargs):
+            seen.append((op, t.is_contiguous()))
+            t.mul_(2)  # stands for the collective's result
+        return run
+
+    monkeypatch.setattr(dist, "all_reduce", fake("all_reduce"))
+    monkeypatch.setattr(dist, "broadcast", fake("broadcast"))
+    comm = Communicator(group=None, world_size=2, rank=0)
+    base = torch.arange(24.0).reshape(4, 6)
+    view = base.clone().t()  # [6, 4], not contiguous
+    assert comm.all_reduce(view) is view and torch.equal(view, 2 * base.t())
+    assert comm.broadcast(view, src=1) is view and torch.equal(view, 4 * base.t())
+    dense = base.clone()
+    comm.all_reduce(dense)
+    assert torch.equal(dense, 2 * base)
+    assert seen == [("all_reduce", True), ("broadcast", True), ("all_reduce", True)]
