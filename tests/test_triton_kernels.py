@@ -224,15 +224,21 @@ def test_plan_splits_only_underfilled_long_decodes():
     assert (wide.block_m, wide.block_n) == (32, 16)
 
 
-def test_fused_rotary_then_attend_equals_rotary_then_forward():
-    hq, hk, d, block_size = 8, 2, 64, 16
-    scale = 1 / math.sqrt(d)
+def fused_rotary_step(hq=8, hk=2, d=64, block_size=16):
+    """Two prefills (20 and 7 tokens) planned on the Triton attention: (attn, meta, num_blocks,
+    positions, q, k, v, cos_sin)."""
     tables, num_blocks = allocate_blocks([20, 7], block_size, spare=1)
     meta = metadata(tables, [0, 0], [20, 7], block_size)
     positions, q, k, cos_sin = rotary_inputs(torch.float32, 27, hq, hk, d, d, "sliced")
     v = randn(27, hk, d)
     attn = make_attention(hq, hk, d, block_size)
     meta.backend_state = attn.prepare(meta)
+    return attn, meta, num_blocks, positions, q, k, v, cos_sin
+
+
+def test_fused_rotary_then_attend_equals_rotary_then_forward():
+    attn, meta, num_blocks, positions, q, k, v, cos_sin = fused_rotary_step()
+    scale = 1 / math.sqrt(q.shape[-1])
     fused_cache, cache = (attn.allocate_kv_cache(num_blocks).fill_(SENTINEL) for _ in range(2))
     fq, _ = attn.rotary_and_write_kv(positions, q, k, v, cos_sin, True, fused_cache, meta)
     got = attn.attend(fq, fused_cache, meta, scale)
@@ -249,13 +255,8 @@ def test_attention_layer_fuses_rotary_where_the_backend_does(monkeypatch):
     from chitu_core.layers.attention import Attention
     from chitu_core.layers.context import StepContext
 
-    hq, hk, d, block_size = 8, 2, 64, 16
-    tables, num_blocks = allocate_blocks([20, 7], block_size, spare=1)
-    meta = metadata(tables, [0, 0], [20, 7], block_size)
-    positions, q, k, cos_sin = rotary_inputs(torch.float32, 27, hq, hk, d, d, "sliced")
-    v = randn(27, hk, d)
-    attn = make_attention(hq, hk, d, block_size)
-    meta.backend_state = attn.prepare(meta)
+    attn, meta, num_blocks, positions, q, k, v, cos_sin = fused_rotary_step()
+    hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
     rope = SimpleNamespace(cos_sin_cache=cos_sin, is_neox=True)
     rope_calls = []
 
