@@ -106,8 +106,8 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Enter ``seq``'s computed full blocks into the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.num_computed_tokens // self.block_size == seq.num_cached_blocks:
+            return  # no block filled up since the last call (most decode steps)
         hashes = self.block_hashes(seq, seq.num_computed_tokens)
         for i in range(seq.num_cached_blocks, len(hashes)):
             block = self.blocks[seq.block_table[i]]
