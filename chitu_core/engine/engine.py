@@ -91,7 +91,7 @@ class LLMEngine:
         self.model.eval()
 
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
-        self.model_vocab = hf_config.vocab_size
+        self.vocab_size = hf_config.vocab_size
         self.graph_runner = None if config.enforce_eager else self.backend.graph_runner()
         self.max_graph_batch = min(config.max_num_seqs, config.max_graph_batch_size)
         num_blocks = self._num_blocks(geometry.num_layers, block_size)
@@ -100,7 +100,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.tokenizer = model_dir.tokenizer()
         self.eos_token_ids = self._eos_ids(model_dir, hf_config)
-        self.vocab_size = hf_config.vocab_size
         sync = (lambda: self.backend.synchronize(self.device_index)) if config.profile_steps else None
         self.runner = ModelRunner(self.model, self.attention, kv_caches, Sampler(self.ops), self.device,
                                   self.vocab_size, self.eos_token_ids, sync)
@@ -133,7 +132,7 @@ class LLMEngine:
                              "cannot be applied; set kv_cache_memory (bytes) instead")
         total = self.backend.memory_info(self.device_index).total_bytes
         # Decode graphs keep their float32 and model-dtype logits, plus some activations, for good.
-        reserve = 0 if self.graph_runner is None else self.max_graph_batch * self.model_vocab * 8 + (256 << 20)
+        reserve = 0 if self.graph_runner is None else self.max_graph_batch * self.vocab_size * 8 + (256 << 20)
         budget = kv_budget_from_profile(total, config.gpu_memory_utilization, peak, reserve)
         log.info("memory: %.2f GiB total, peak of the largest step %.2f GiB, graph reserve %.2f GiB -> KV cache %.2f GiB",
                  total / 2**30, peak / 2**30, reserve / 2**30, budget / 2**30)

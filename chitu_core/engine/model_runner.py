@@ -36,11 +36,9 @@ class ModelRunner:
     def graph_size(self, batch: ScheduledBatch) -> int | None:
         """The captured batch size this step replays, or None to run it eagerly: graphs serve
         steps in which every sequence brings exactly one token."""
-        if self.graphs is None or len(batch.seqs) > self.graphs.max_batch:
+        if self.graphs is None or any(n != 1 for n in batch.num_new_tokens):
             return None
-        if any(n != 1 for n in batch.num_new_tokens):
-            return None
-        return self.graphs.bucket(len(batch.seqs))
+        return self.graphs.bucket(len(batch.seqs))  # None past the largest
 
     def _to_device(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
