@@ -56,10 +56,6 @@ class DecodeGraphs:
         self._tables_key = None
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
 
-    @property
-    def max_batch(self) -> int:
-        return self.sizes[-1]
-
     def capture(self) -> None:
         """Capture every bucket, largest first (so that the smaller ones fit in its memory)."""
         start = time.perf_counter()
