@@ -149,6 +149,13 @@ class Backend(ABC):
         copies to the device run asynchronously. Default: no."""
         return False
 
+    def completion_event(self):
+        """An event recorded now on the device's work queue: an object whose ``synchronize()``
+        returns once all work queued before it has finished (``torch.cuda.Event`` after
+        ``record()``). None, the default, where device work is done by the time the call that
+        queued it returns. The engine waits on one for each step's asynchronous device-to-host copy."""
+        return None
+
     def measure_peak_memory(self, fn: Callable[[], object], index: int = 0) -> int | None:
         """Run ``fn`` (a largest-step forward) and return the most device memory this process had
         in use while it ran, weights and runtime workspaces included; None where the backend cannot

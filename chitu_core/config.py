@@ -31,6 +31,9 @@ class EngineConfig(BaseSettings):
         None, gt=0, le=1, description="share of the device's memory the engine may use in all (weights, activations, "
         "KV cache); the KV cache gets what a profiled largest step leaves (default: the backend's budget)")
     enforce_eager: bool = Field(False, description="run decode steps eagerly where the backend could replay graphs")
+    async_scheduling: bool = Field(
+        True, description="launch each decode step before the host has processed the previous step's tokens, so that "
+        "the host's work overlaps the device's (a sequence that stops wastes one row of the step after)")
     max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured as a graph")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")

@@ -88,7 +88,8 @@ def test_a_refused_request_raises_before_any_output(model_path):
             await llm.shutdown()
         return ok
 
-    assert len(asyncio.run(main())) == 2
+    deltas = asyncio.run(main())  # a consumer that falls behind gets deltas merged: count tokens
+    assert sum(len(d.outputs[0].token_ids) for d in deltas) == 2 and deltas[-1].finished
 
 
 def test_stop_strings_are_never_streamed(model_path):

@@ -97,7 +97,7 @@ def test_graph_padding_never_writes_the_cache(model_path, monkeypatch):
     runner = ReplayingRunner()
     monkeypatch.setattr(CpuBackend, "graph_runner", lambda self: runner)
     llm = LLM(model_path, device="cpu", dtype="float32", load_progress=False, block_size=8, max_graph_batch_size=4,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, async_scheduling=False)  # one step at a time, to look between them
     engine = llm.engine
     for i in range(3):
         engine.add_request(f"p{i}", [11 + i] * (3 + i), SamplingParams(max_tokens=3, ignore_eos=True))

@@ -116,7 +116,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(
         args.model, device=args.device, dtype=args.dtype, profile_steps=args.profile, load_progress=False,
         max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 1),
-        num_threads=args.threads, enforce_eager=args.enforce_eager,
+        num_threads=args.threads, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
     )
     engine = llm.engine
     B, I, O = args.batch_size, args.input_len, args.output_len
@@ -146,6 +146,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "graphs": engine.runner.graphs is not None,
+        "async_scheduling": engine.config.async_scheduling,
         "batch_size": B, "input_len": I, "output_len": O, "temperature": args.temperature, "warmup": args.warmup,
         "input_tokens": B * I,
         "runs": args.runs,
@@ -233,6 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="time each step's forward (one more device sync a step)")
     parser.add_argument("--enforce-eager", action="store_true", help="no decode graphs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="launch each decode step before the host has the previous one's tokens (default: on)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(run=main)
 

@@ -20,9 +20,9 @@ from chitu_core.engine.block_manager import BlockManager
 from chitu_core.engine.detokenizer import IncrementalDetokenizer
 from chitu_core.engine.graphs import DecodeGraphs
 from chitu_core.engine.memory import kv_budget_from_profile, largest_step
-from chitu_core.engine.model_runner import ModelRunner, StepResult
+from chitu_core.engine.model_runner import ModelRunner, PendingStep, StepResult
 from chitu_core.engine.outputs import CompletionOutput, RequestOutput
-from chitu_core.engine.scheduler import Scheduler
+from chitu_core.engine.scheduler import ScheduledBatch, Scheduler
 from chitu_core.engine.sequence import Request, Sequence
 from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext
@@ -64,6 +64,12 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+@dataclass
+class _Launched:
+    batch: ScheduledBatch
+    pending: PendingStep
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -102,7 +108,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(model_dir, hf_config)
         sync = (lambda: self.backend.synchronize(self.device_index)) if config.profile_steps else None
         self.runner = ModelRunner(self.model, self.attention, kv_caches, Sampler(self.ops), self.device,
-                                  self.vocab_size, self.eos_token_ids, sync)
+                                  self.vocab_size, self.eos_token_ids, sync, self.backend.completion_event)
         if self.graph_runner is not None:
             self.runner.graphs = DecodeGraphs(self.model, self.attention, kv_caches, self.graph_runner,
                                               self.max_graph_batch, self.max_model_len, self.device,
@@ -110,6 +116,7 @@ class LLMEngine:
             with torch.inference_mode():
                 self.runner.graphs.capture()
         self.requests: dict[str, Request] = {}
+        self._launched: _Launched | None = None  # a step whose tokens the host has not processed yet
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -226,29 +233,25 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step. Returns a delta RequestOutput for each request that progressed;
-        finished requests leave the engine (read them whole with ``final_output`` first)."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise ChituError("no request could be scheduled: the KV cache is too small for the waiting requests")
-            return []
-        now = time.monotonic()
-        results = self.runner.run(batch)
-        self.stats.num_steps += 1
-        progressed: dict[str, dict[int, CompletionOutput]] = {}
-        for seq, n, result in zip(batch.seqs, batch.num_new_tokens, results):
-            metrics = seq.request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-            prompt_part = max(0, min(n, len(seq.prompt_token_ids) - seq.num_computed_tokens))
-            metrics.num_computed_prompt_tokens += prompt_part
-            self.stats.num_prompt_tokens_computed += prompt_part
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            if result is not None:
-                progressed.setdefault(seq.request.request_id, {})[seq.index] = self._append(seq, result)
-        self._update_stats()
-        return [self._delta_output(self.requests[rid], deltas) for rid, deltas in progressed.items()]
+        finished requests leave the engine (read them whole with ``final_output`` first).
+
+        With ``async_scheduling`` a decode step is launched before the host has the previous
+        step's tokens (they go in from the device), so the host's bookkeeping for step N runs
+        while the device computes step N+1. A sequence that turns out to have finished at N
+        wastes its row of N+1; its blocks are freed, and any later writer of them queues behind."""
+        if self._launched is None:
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise ChituError("no request could be scheduled: the KV cache is too small for the waiting requests")
+                return []
+            self._launched = self._launch(batch)
+        current = self._launched
+        self._launched = self._continuation(current) if self.config.async_scheduling else None
+        outputs = self._process(current)
+        if self._launched is not None and all(s.is_finished for s in self._launched.batch.seqs):
+            self._launched = None  # nothing left to read from it
+        return outputs
 
     def final_output(self, request: Request) -> RequestOutput:
         """The whole result of a request so far (all samples, full text and tokens)."""
@@ -264,6 +267,60 @@ class LLMEngine:
 
     # --- internals ----------------------------------------------------------------------------
 
+    def _launch(self, batch: ScheduledBatch, ids: torch.Tensor | None = None, ahead: int = 0) -> "_Launched":
+        now = time.monotonic()
+        pending = self.runner.launch(batch, ids, ahead)
+        self.stats.num_steps += 1
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            prompt_part = max(0, min(n, len(seq.prompt_token_ids) - seq.num_computed_tokens))
+            metrics.num_computed_prompt_tokens += prompt_part
+            self.stats.num_prompt_tokens_computed += prompt_part
+            seq.num_computed_tokens += n
+        return _Launched(batch, pending)
+
+    def _continuation(self, current: "_Launched") -> "_Launched | None":
+        """Launch the decode step that follows ``current`` without waiting for its tokens, or None
+        where the next step needs the scheduler: requests wait, a row had no token (partial
+        prefill), or the KV cache needs a preemption."""
+        batch, pending = current.batch, current.pending
+        if self.scheduler.waiting or len(pending.sampling) != len(batch.seqs):
+            return None
+        rows, seqs = [], []
+        for row, seq in enumerate(batch.seqs):
+            if seq.is_finished:
+                continue
+            p = seq.params
+            if len(seq.output_token_ids) + 1 >= p.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+                continue  # its pending token is its last
+            rows.append(row)
+            seqs.append(seq)
+        blocks = self.block_manager
+        if not seqs or sum(blocks.blocks_needed(s, s.num_computed_tokens + 1) for s in seqs) > blocks.num_free:
+            return None
+        for seq in seqs:
+            blocks.allocate(seq, seq.num_computed_tokens + 1)
+        ids = pending.tokens
+        if len(rows) < len(batch.seqs):
+            ids = ids[torch.tensor(rows).to(self.device, non_blocking=True)]
+        return self._launch(ScheduledBatch(seqs, [1] * len(seqs)), ids, ahead=1)
+
+    def _process(self, launched: "_Launched") -> list[RequestOutput]:
+        """Wait for a launched step's tokens and record them; the deltas of the requests that progressed."""
+        results = launched.pending.results()
+        progressed: dict[str, dict[int, CompletionOutput]] = {}
+        for seq, result in zip(launched.batch.seqs, results):
+            if seq.is_finished:
+                continue  # aborted, or finished by the step before (this token is surplus)
+            if result is None:
+                self.block_manager.cache_full_blocks(seq)
+            else:
+                progressed.setdefault(seq.request.request_id, {})[seq.index] = self._append(seq, result)
+        self._update_stats()
+        return [self._delta_output(self.requests[rid], deltas) for rid, deltas in progressed.items()]
+
     def _append(self, seq: Sequence, result: StepResult) -> CompletionOutput:
         """Record a sampled token; detokenize; finish the sequence if it is done. Returns its delta."""
         metrics = seq.request.metrics
@@ -273,6 +330,7 @@ class LLMEngine:
         self.stats.num_generated_tokens += 1
         token = result.token
         seq.output_token_ids.append(token)
+        self.block_manager.cache_full_blocks(seq)  # every computed token is known now
         lps = None
         if result.logprob is not None:
             lps = {token: result.logprob, **result.top_logprobs}

@@ -4,7 +4,11 @@ A decode step (every scheduled sequence brings one token) of B sequences runs th
 graph captured for the smallest bucket >= B. The graphs read static device
 buffers that each step refills with two host-to-device copies from pinned
 staging memory: one packed int64 block (token ids, positions, cache slots,
-sequence lengths) and the block tables. Rows past B are padding: slot -1 (the
+sequence lengths) and the block tables. A continuation step takes its token ids
+from the previous step's sampled tokens on the device instead. Staging memory
+alternates between two sets, so that filling step N+1's never overwrites what
+step N's copy, perhaps still queued, has yet to read (the engine waits for step
+N before it launches step N+2). Rows past B are padding: slot -1 (the
 cache write skips it) and sequence length 1 (attention reads one real key), so
 their outputs are finite and ignored. The graph ends with the logits of all its
 rows; sampling runs eagerly on the first B.
@@ -50,9 +54,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        self.host_packed = _pinned((4, rows), torch.int64, pin_memory)
-        self.host_tables = _pinned(rows * width, torch.int32, pin_memory)
-        self.host_packed_np, self.host_tables_np = self.host_packed.numpy(), self.host_tables.numpy()
+        self.staging = [(_pinned((4, rows), torch.int64, pin_memory), _pinned(rows * width, torch.int32, pin_memory))
+                        for _ in range(2)]
+        self._turn = 0
         self._tables_key = None
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
 
@@ -89,29 +93,35 @@ class DecodeGraphs:
         """Forget which block tables the device holds (an eager step may have changed any)."""
         self._tables_key = None
 
-    def run(self, seqs, size: int) -> torch.Tensor:
-        """Decode one token for each of ``seqs`` in the graph of ``size`` rows: float32 logits [B, V]."""
+    def run(self, seqs, size: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token for each of ``seqs`` in the graph of ``size`` rows: float32 logits [B, V].
+        ``ids``: the input tokens on the device (a continuation); else read from the sequences."""
         b, bs = len(seqs), self.block_size
         positions = [s.num_computed_tokens for s in seqs]
-        host = self.host_packed_np
-        host[IDS, :b] = [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
+        host_packed, host_tables = self.staging[self._turn]
+        self._turn ^= 1
+        host = host_packed.numpy()
+        if ids is None:
+            host[IDS, :b] = [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
         host[POSITIONS, :b] = positions
         host[SLOTS, :b] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
         host[SEQ_LENS, :b] = host[POSITIONS, :b] + 1
         host[IDS:POSITIONS + 1, b:size] = 0
         host[SLOTS, b:size] = -1
         host[SEQ_LENS, b:size] = 1
-        self.packed.copy_(self.host_packed, non_blocking=True)
+        self.packed.copy_(host_packed, non_blocking=True)
+        if ids is not None:
+            self.packed[IDS, :b].copy_(ids)
         # Tables only grow (a block appended) between eager steps: copy them when one did.
         key = tuple((s.seq_id, len(s.block_table), s.block_table[-1]) for s in seqs)
         if key != self._tables_key:
             width = max(len(s.block_table) for s in seqs)
-            tables = self.host_tables_np[: b * width].reshape(b, width)
+            tables = host_tables.numpy()[: b * width].reshape(b, width)
             tables[:] = 0
             for row, s in zip(tables, seqs):
                 row[: len(s.block_table)] = s.block_table
             landed = self.tables_in[: b * width]
-            landed.copy_(self.host_tables[: b * width], non_blocking=True)
+            landed.copy_(host_tables[: b * width], non_blocking=True)
             self.tables[:b, :width].copy_(landed.view(b, width))
             self._tables_key = key
         return self.replays[size]()[:b]

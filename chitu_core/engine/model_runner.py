@@ -1,5 +1,10 @@
 """The model runner: builds a step's inputs once, runs the model through the paged KV cache,
-samples on the device and brings the results to the host in one copy."""
+samples on the device and brings the results to the host in one copy.
+
+``launch`` queues a step's device work and returns at once with a ``PendingStep``:
+its sampled tokens stay on the device (a following step can take them as input
+before the host has seen them) while one asynchronous copy brings them to the
+host; ``PendingStep.results`` waits for that copy."""
 
 import time
 from dataclasses import dataclass
@@ -22,10 +27,39 @@ class StepResult:
     top_logprobs: dict[int, float] | None = None
 
 
+class PendingStep:
+    """A launched step. ``tokens``: the sampled token of each sampling row, on the device."""
+
+    def __init__(self, num_rows: int, sampling: list[int], wanted: list[int | None], k: int,
+                 tokens: torch.Tensor | None, host: torch.Tensor | None, event):
+        self.num_rows, self.sampling, self.wanted, self.k = num_rows, sampling, wanted, k
+        self.tokens, self.host, self.event = tokens, host, event
+
+    def results(self) -> list[StepResult | None]:
+        """Per scheduled row, its new token, or None if it has not reached its last token yet (a
+        partial prefill). Waits for the step's device-to-host copy."""
+        results: list[StepResult | None] = [None] * self.num_rows
+        if not self.sampling:
+            return results
+        if self.event is not None:
+            self.event.synchronize()
+        host, k = self.host.tolist(), self.k
+        for row, i in enumerate(self.sampling):
+            vals = host[row]
+            result = StepResult(int(vals[0]))
+            wanted = self.wanted[row]
+            if wanted is not None:
+                result.logprob = vals[1]
+                result.top_logprobs = {int(t): lp for t, lp in zip(vals[2 : 2 + wanted], vals[2 + k : 2 + k + wanted])}
+            results[i] = result
+        return results
+
+
 class ModelRunner:
     def __init__(self, model, attention: AttentionBackend, kv_caches: list[torch.Tensor], sampler: Sampler,
-                 device: torch.device, vocab_size: int, eos_token_ids: set[int], synchronize=None):
+                 device: torch.device, vocab_size: int, eos_token_ids: set[int], synchronize=None, new_event=None):
         self.model, self.attention, self.kv_caches = model, attention, kv_caches
+        self.new_event = new_event or (lambda: None)  # the backend's completion_event
         self.sampler, self.device = sampler, device
         self.block_size = attention.block_size
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
@@ -43,12 +77,16 @@ class ModelRunner:
     def _to_device(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """token_ids and positions [T], and the step's attention metadata, built vectorized."""
+    def prepare(self, batch: ScheduledBatch, ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """token_ids and positions [T], and the step's attention metadata, built vectorized.
+        ``ids``: the token ids already on the device (a continuation, one token per sequence)."""
         seqs, query_lens = batch.seqs, batch.num_new_tokens
-        ids: list[int] = []
-        for seq, n in zip(seqs, query_lens):
-            ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
+        if ids is None:
+            host_ids: list[int] = []
+            for seq, n in zip(seqs, query_lens):
+                host_ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
+            ids = self._to_device(host_ids, torch.int64)
         context = [s.num_computed_tokens for s in seqs]
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
@@ -57,7 +95,7 @@ class ModelRunner:
         torch.cumsum(q_lens, 0, out=qsl[1:])
         ctx = torch.tensor(context, dtype=torch.int64)
         seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        positions = torch.arange(len(ids)) - qsl[seq_idx] + ctx[seq_idx]
+        positions = torch.arange(int(qsl[-1])) - qsl[seq_idx] + ctx[seq_idx]
         slots = tables[seq_idx, positions // self.block_size].long() * self.block_size + positions % self.block_size
         seq_lens = ctx + q_lens
         meta = AttentionMetadata(
@@ -71,26 +109,30 @@ class ModelRunner:
             block_size=self.block_size,
         )
         meta.backend_state = self.attention.prepare(meta)
-        token_ids = self._to_device(ids, torch.int64)
-        return token_ids, positions.to(self.device, non_blocking=True), meta
+        return ids, positions.to(self.device, non_blocking=True), meta
+
+    def run(self, batch: ScheduledBatch) -> list[StepResult | None]:
+        """One forward and sample, waited for: ``launch(batch).results()``."""
+        return self.launch(batch).results()
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[StepResult | None]:
-        """One forward and sample. Returns, per scheduled sequence, its new token or None if it
-        has not reached its last token yet (a partial prefill)."""
+    def launch(self, batch: ScheduledBatch, ids: torch.Tensor | None = None, ahead: int = 0) -> PendingStep:
+        """Queue one forward and sample. ``ids``: for a continuation, each sequence's input token on
+        the device (the previous step's ``tokens``); ``ahead``: tokens each sequence has sampled that
+        the host has not appended yet (they count for seeds and ``min_tokens``)."""
         size = self.graph_size(batch)
         if size is not None:
             start = time.perf_counter()
-            logits = self.graphs.run(batch.seqs, size)
+            logits = self.graphs.run(batch.seqs, size, ids)
             sampling = list(range(len(batch.seqs)))
         else:
             if self.graphs is not None:
                 self.graphs.invalidate()
-            token_ids, positions, meta = self.prepare(batch)
+            token_ids, positions, meta = self.prepare(batch, ids)
             start = time.perf_counter()
             hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches))
             ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
-            sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens]
+            sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens + ahead]
             logits = None
             if sampling:
                 last_rows = torch.tensor(batch.num_new_tokens).cumsum(0)[sampling] - 1
@@ -99,41 +141,33 @@ class ModelRunner:
             self.synchronize()
             self.last_forward_seconds = time.perf_counter() - start
         if not sampling:
-            return [None] * len(batch.seqs)
+            return PendingStep(len(batch.seqs), [], [], 0, None, None, None)
         seqs = [batch.seqs[i] for i in sampling]
         sbatch = SamplingBatch.build(
             [s.params for s in seqs],
             [s.seed for s in seqs],
-            [len(s.output_token_ids) for s in seqs],
+            [len(s.output_token_ids) + ahead for s in seqs],
             self.device,
             self.vocab_size,
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
-            [self._banned(s) for s in seqs],
+            [self._banned(s, ahead) for s in seqs],
+            ids if ahead else None,
         )
         out = self.sampler(logits, sbatch)
-        # One device-to-host copy for everything the host needs this step.
+        # One device-to-host copy for everything the host needs this step, not waited for here.
         if out.logprobs is None:
-            host = out.tokens[:, None].tolist()
+            packed = out.tokens[:, None]
         else:
-            parts = [out.tokens.double()[:, None], out.logprobs.double()[:, None], out.top_ids.double(),
-                     out.top_logprobs.double()]
-            host = torch.cat(parts, dim=1).tolist()
-        results: list[StepResult | None] = [None] * len(batch.seqs)
-        k = sbatch.max_logprobs or 0
-        for row, i in enumerate(sampling):
-            vals = host[row]
-            result = StepResult(int(vals[0]))
-            wanted = seqs[row].params.logprobs
-            if wanted is not None:
-                result.logprob = vals[1]
-                result.top_logprobs = {int(t): lp for t, lp in zip(vals[2 : 2 + wanted], vals[2 + k : 2 + k + wanted])}
-            results[i] = result
-        return results
+            packed = torch.cat([out.tokens.double()[:, None], out.logprobs.double()[:, None], out.top_ids.double(),
+                                out.top_logprobs.double()], dim=1)
+        host = packed.to("cpu", non_blocking=True)  # lands in page-locked memory where the copy is asynchronous
+        return PendingStep(len(batch.seqs), sampling, [s.params.logprobs for s in seqs], sbatch.max_logprobs or 0,
+                           out.tokens, host, self.new_event())
 
-    def _banned(self, seq) -> list[int]:
+    def _banned(self, seq, ahead: int = 0) -> list[int]:
         """Tokens that may not be sampled yet: EOS and stop tokens before min_tokens are out."""
         p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        if len(seq.output_token_ids) + ahead >= p.min_tokens:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))

@@ -53,11 +53,13 @@ class SamplingBatch:
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
         banned_ids: list[list[int]],
+        pending: torch.Tensor | None = None,
     ) -> "SamplingBatch":
         """One row per entry of ``params``. prompt_ids / output_ids: each row's prompt and output
         tokens so far (read only for rows that use a penalty), ids in [0, vocab_size);
         banned_ids: the tokens each row may not sample this step (ids outside the vocabulary
-        cannot be sampled anyway and are ignored)."""
+        cannot be sampled anyway and are ignored); pending: int64 [rows] on the device, a token
+        each row has sampled that is not in ``output_ids`` yet (async scheduling), or None."""
 
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -85,6 +87,8 @@ class SamplingBatch:
             batch.presence = t([p.presence_penalty for p in params], torch.float32)
             batch.prompt_mask = _token_table(prompt_ids, penalized, rows, vocab_size, device, "prompt_ids")
             batch.output_counts = _token_table(output_ids, penalized, rows, vocab_size, device, "output_ids", count=True)
+            if pending is not None:  # rows without penalties count it too, to no effect
+                batch.output_counts.scatter_add_(1, pending[:, None], torch.ones_like(pending[:, None], dtype=torch.int32))
         banning = [i for i, ids in enumerate(banned_ids) if ids]
         if banning:
             batch.banned = _token_table(banned_ids, banning, rows, vocab_size, device, None)

@@ -82,6 +82,11 @@ class NvidiaBackend(Backend):
     def pin_memory(self) -> bool:
         return True
 
+    def completion_event(self):
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def measure_peak_memory(self, fn, index: int = 0) -> int:
         """Peak of PyTorch's allocator during ``fn`` plus what the process holds outside it (CUDA
         context, cuBLAS and NCCL workspaces; also other processes' use of the device, which this

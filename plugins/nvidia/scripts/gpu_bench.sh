@@ -2,9 +2,10 @@
 # The NVIDIA backend's acceptance runs on a lent GPU machine, from the repository root, with the
 # missing wheels in .whl (bash ../shared/gpu/wheels.sh, plus setuptools). Writes under $OUT.
 #   bash plugins/nvidia/scripts/gpu_bench.sh conformance bench8b smollm   # any of the steps, in order
-# Steps: conformance (the op suite's matrix), bench8b (Llama-3.1-8B config, random bf16 weights,
+# PEER=none skips transformers. Steps: conformance (the op suite's matrix), bench8b (Llama-3.1-8B config, random bf16 weights,
 # batch 1 and 64, against transformers), smollm (SmolLM2-135M config, batch 1), check (kernels,
-# model against transformers, profile: gpu_check.py), serve (bench serve on a live server, engine in a
+# model against transformers, profile: gpu_check.py), profile (kernels of decode steps: PROFILES
+# "model:batch ..." of the models bench8b/smollm made), serve (bench serve on a live server, engine in a
 # process and in a thread, SERVE_MODES picks; then the offline run of the same batch).
 # Commit what $OUT holds under docs/benchmarks/<machine>/ and make the page from it:
 #   python -m chitu_core.bench report docs/benchmarks/<machine> > docs/benchmarks/<machine>.md
@@ -23,7 +24,7 @@ cd /tmp
 
 bench() {  # name, then bench offline arguments
   local name=$1; shift
-  python3 -m chitu_core.bench offline --input-len 128 --output-len 256 --runs 3 --no-profile --peer hf "$@" \
+  python3 -m chitu_core.bench offline --input-len 128 --output-len 256 --runs 3 --no-profile --peer ${PEER:-hf} "$@" \
     --json > "$OUT/$name.json" 2> "$OUT/$name.err" || tail -20 "$OUT/$name.err"
   python3 - "$OUT/$name.json" <<'EOF'
 import json, sys
@@ -55,5 +56,9 @@ for step in "$@"; do
            done
            bench llama8b-b64-total --model /tmp/llama8b --batch-size 64 --peer none ;;
     check) OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/gpu_check.py" environment build_model model_vs_transformers profile ;;
+    profile) for spec in ${PROFILES:-smollm:1 llama8b:1 llama8b:64}; do  # model:batch, models made by the steps above
+               python3 "$ROOT/plugins/nvidia/scripts/profile_step.py" --model /tmp/${spec%%:*} --batch-size ${spec##*:} \
+                 --out "$OUT/profile-${spec%%:*}-b${spec##*:}.txt"
+             done ;;
   esac
 done

@@ -1,0 +1,62 @@
+"""Where a decode step's time goes, on the GPU: kernels by device time, launches and device time per
+step, and the wall time per step around them.
+
+    python plugins/nvidia/scripts/profile_step.py --model DIR --batch-size 1 [--steps 20] [--out FILE]
+"""
+
+import argparse
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from chitu_core import LLM, SamplingParams
+from chitu_core.bench.offline import random_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=20, help="kernels listed")
+    parser.add_argument("--out", help="also write the table here")
+    args = parser.parse_args()
+    b, n = args.batch_size, args.steps
+    engine = LLM(args.model, device="nvidia", dtype="bfloat16", max_model_len=512, max_num_seqs=max(b, 1),
+                 load_progress=False).engine
+    for i, p in enumerate(random_prompts(b, 128, engine.vocab_size, 3)):
+        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=3 * n + 20, temperature=0.0, ignore_eos=True))
+    for _ in range(10):  # prefill and the first decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / n * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    kernels = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: -e.self_device_time_total)
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / n / 1e3
+    launches = sum(e.count for e in kernels) / n
+    lines = [f"{args.model} batch {b}: wall {wall_ms:.3f} ms/step, GPU {gpu_ms:.3f} ms/step in {launches:.0f} launches",
+             f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel"]
+    for e in kernels[: args.rows]:
+        per_step = e.self_device_time_total / n
+        lines.append(f"{per_step:9.1f} {e.count / n:6.0f} {per_step / (e.count / n):8.2f}  {e.key[:90]}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
