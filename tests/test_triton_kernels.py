@@ -224,6 +224,22 @@ def test_plan_splits_only_underfilled_long_decodes():
     assert (wide.block_m, wide.block_n) == (32, 16)
 
 
+def test_warmup_runs_every_tile_variant_the_planner_picks(monkeypatch):
+    """Prefill tiles, decode tiles and split decode: each runs once, on a stand-in cache."""
+    seen = []
+
+    def recording(q, cache, tables, seq_lens, qsl, scale, step, *rest):
+        seen.append((step.block_m, step.num_splits > 1))
+        return paged_attention.paged_attention(q, cache, tables, seq_lens, qsl, scale, step, *rest)
+
+    monkeypatch.setattr(attention, "paged_attention", recording)
+    make_attention(8, 2, 64, 16).warmup()
+    planner = {(p.block_m, p.num_splits > 1) for p in (paged_attention.plan(8, 2, 512, 4, 512, 16),
+                                                        paged_attention.plan(8, 2, 1, 64, 512, 16),
+                                                        paged_attention.plan(8, 2, 1, 1, 4096, 16))}
+    assert sorted(seen) == sorted(planner) == [(16, False), (16, True), (64, False)]
+
+
 def fused_rotary_step(hq=8, hk=2, d=64, block_size=16):
     """Two prefills (20 and 7 tokens) planned on the Triton attention: (attn, meta, num_blocks,
     positions, q, k, v, cos_sin)."""

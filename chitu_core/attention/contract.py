@@ -109,6 +109,10 @@ class AttentionBackend(ABC):
         (max_query_len, max_seq_len) and tensor shapes only, never from the tensors' values."""
         return None
 
+    def warmup(self) -> None:
+        """Before the first request: compile (or otherwise make ready) what steps will run, so that
+        no request waits on it. Default: nothing."""
+
     @abstractmethod
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float

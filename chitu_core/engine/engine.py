@@ -102,6 +102,7 @@ class LLMEngine:
         self.max_graph_batch = min(config.max_num_seqs, config.max_graph_batch_size)
         num_blocks = self._num_blocks(geometry.num_layers, block_size)
         kv_caches = [self.attention.allocate_kv_cache(num_blocks) for _ in range(geometry.num_layers)]
+        self.attention.warmup()
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.tokenizer = model_dir.tokenizer()

@@ -61,6 +61,20 @@ class TritonPagedAttention(AttentionBackend):
                                         meta.slot_mapping.device)
         return TritonStepState(step, workspace)
 
+    def warmup(self) -> None:
+        """Compile the kernel variants steps use (prefill tiles; decode tiles, whole and split) on a
+        one-block stand-in cache."""
+        cache = self.allocate_kv_cache(1)
+        q = torch.zeros((2, self.num_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        tables = torch.zeros((2, 1), dtype=torch.int32, device=self.device)
+        for query_len, splits in ((2, 1), (1, 1), (1, 2)):
+            seqs = 2 // query_len
+            step = plan(self.num_heads, self.num_kv_heads, 64 if query_len > 1 else 1, seqs, self.block_size,
+                        self.num_compute_units, splits, self.dtype.itemsize, self.head_dim)
+            qsl = torch.arange(seqs + 1, dtype=torch.int32, device=self.device) * query_len
+            seq_lens = torch.full((seqs,), query_len, dtype=torch.int32, device=self.device)
+            paged_attention(q, cache, tables[:seqs], seq_lens, qsl, 1.0, step, None, self.float32_dot_precision)
+
     def _state(self, meta: AttentionMetadata) -> TritonStepState:
         return meta.backend_state if isinstance(meta.backend_state, TritonStepState) else self.prepare(meta)
 

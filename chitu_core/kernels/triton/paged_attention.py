@@ -44,7 +44,9 @@ def _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Ints that change from step to step are not specialized on (Triton would compile a variant for a
+# value of 1 and for multiples of 16): a server's arbitrary batches must not wait on the compiler.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _attention_kernel(
     out, part_acc, part_max, part_sum,
     q, cache, block_tables, seq_lens, query_start_loc,
@@ -120,7 +122,7 @@ def _attention_kernel(
                  result.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(out, part_acc, part_max, part_sum, num_heads, num_splits,
                           HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SPLITS_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * num_heads + tl.program_id(1)
