@@ -33,7 +33,8 @@ class EngineConfig(BaseSettings):
     enforce_eager: bool = Field(False, description="run decode steps eagerly where the backend could replay graphs")
     async_scheduling: bool = Field(
         True, description="launch each decode step before the host has processed the previous step's tokens, so that "
-        "the host's work overlaps the device's (a sequence that stops wastes one row of the step after)")
+        "the host's work overlaps the device's (a sequence that stops wastes one row of the step after; "
+        "profile_steps turns it off)")
     max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured as a graph")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")

@@ -146,7 +146,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "graphs": engine.runner.graphs is not None,
-        "async_scheduling": engine.config.async_scheduling,
+        "async_scheduling": engine.async_scheduling,
         "batch_size": B, "input_len": I, "output_len": O, "temperature": args.temperature, "warmup": args.warmup,
         "input_tokens": B * I,
         "runs": args.runs,

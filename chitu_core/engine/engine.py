@@ -118,6 +118,8 @@ class LLMEngine:
                 self.runner.graphs.capture()
         self.requests: dict[str, Request] = {}
         self._launched: _Launched | None = None  # a step whose tokens the host has not processed yet
+        # Timing each forward (profile_steps) waits for the device, which leaves nothing to overlap.
+        self.async_scheduling = config.async_scheduling and not config.profile_steps
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -248,7 +250,7 @@ class LLMEngine:
                 return []
             self._launched = self._launch(batch)
         current = self._launched
-        self._launched = self._continuation(current) if self.config.async_scheduling else None
+        self._launched = self._continuation(current) if self.async_scheduling else None
         outputs = self._process(current)
         if self._launched is not None and all(s.is_finished for s in self._launched.batch.seqs):
             self._launched = None  # nothing left to read from it
