@@ -81,6 +81,31 @@ class ServerState:
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
 
+class RequestCounter:
+    """Counts /v1/ requests by path and response status. A plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` would pass every streamed chunk through a task and a memory stream of
+    its own (a quarter of the server's CPU time at 64 streams)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        status = 500  # what the client gets if the app fails before it answers
+
+        async def counting_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(scope["path"], str(status)).inc()
+
+
 def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), max_pending: int = 1024) -> FastAPI:
     state = ServerState(llm, served_names, list(api_keys), max_pending)
     app = FastAPI(title="chitu-core", description="OpenAI-compatible LLM server")
@@ -100,12 +125,7 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
     async def _http(_, exc: StarletteHTTPException):
         return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(RequestCounter, metrics=state.metrics)
 
     def authorized(request: Request) -> int:
         return state.priority(request)
