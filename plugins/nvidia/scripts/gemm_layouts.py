@@ -1,0 +1,67 @@
+"""Decode-step GEMMs of Llama-3.1-8B (bf16) by weight layout: F.linear on [N, K] weights (what the
+model does now) against a matmul on the transposed, contiguous [K, N] copy. Times 50 replays of a
+captured graph per case; prints microseconds and bandwidth against the copy bandwidth measured here.
+
+    python plugins/nvidia/scripts/gemm_layouts.py
+"""
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+          "lm_head": (4096, 128256)}
+
+
+def timed(fn, reps: int = 50) -> float:
+    """Microseconds per call, over a captured graph of ``reps`` calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * reps)
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = timed(lambda: b.copy_(a), reps=10)
+    return 2 * a.numel() / us / 1e3  # GB/s
+
+
+def main() -> None:
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s")
+    print(f"{'gemm':8} {'M':>3} {'linear [N,K] us':>16} {'%copy':>6} {'matmul [K,N] us':>16} {'%copy':>6}")
+    for name, (k, n) in SHAPES.items():
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+        wt = w.t().contiguous()
+        for m in (1, 64):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            torch.testing.assert_close(F.linear(x, w), x @ wt, rtol=2e-2, atol=2e-2)
+            floor_us = w.numel() * 2 / bw / 1e3
+            a, b = timed(lambda: F.linear(x, w)), timed(lambda: x @ wt)
+            print(f"{name:8} {m:3d} {a:16.2f} {floor_us / a:6.1%} {b:16.2f} {floor_us / b:6.1%}")
+        del w, wt
+    print(f"{'argmax over 128256':20} {'M':>3} {'float32 us':>11} {'bf16 us':>8} {'bf16->float32 copy us':>22}")
+    for m in (1, 64):
+        logits = torch.randn(m, 128256, device="cuda")
+        half = logits.bfloat16()
+        print(f"{'':20} {m:3d} {timed(lambda: logits.argmax(-1)):11.2f} {timed(lambda: half.argmax(-1)):8.2f} "
+              f"{timed(lambda: half.float()):22.2f}")
+
+
+if __name__ == "__main__":
+    main()
