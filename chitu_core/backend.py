@@ -149,6 +149,12 @@ class Backend(ABC):
         copies to the device run asynchronously. Default: no."""
         return False
 
+    def transposed_linear_weights(self) -> bool:
+        """Whether dense linear weights should be stored as the transpose of a contiguous
+        [in_features, out_features] tensor (the ops still get [out, in] tensors, with other
+        strides), where the device's GEMMs run faster on that layout. Default: no."""
+        return False
+
     def completion_event(self):
         """An event recorded now on the device's work queue: an object whose ``synchronize()``
         returns once all work queued before it has finished (``torch.cuda.Event`` after

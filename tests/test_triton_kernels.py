@@ -88,6 +88,26 @@ def test_rms_norms():
         check_op("fused_add_rms_norm", (x, residual, weight, 1e-6), {}, dtype)
 
 
+def test_greedy_sample_takes_the_first_maximum_across_chunks():
+    """Rows longer than a chunk, maxima tied within and across chunks, strided and transposed
+    logits, a NaN: the same indices as torch's argmax."""
+    from chitu_core.kernels.triton.argmax import CHUNK
+
+    vocab = 2 * CHUNK + 300
+    logits = randn(5, vocab, dtype=DTYPE)
+    logits[0, [CHUNK - 1, CHUNK + 5]] = 50.0  # tie across chunks: the first chunk's
+    logits[1, [CHUNK + 7, CHUNK + 3]] = 50.0  # tie within a chunk: the lower index
+    logits[2, 2 * CHUNK + 299] = 50.0  # in the last, partial chunk
+    logits[3] = 1.5  # all equal
+    logits[4, 17] = float("nan")
+    for x in (logits, LAYOUTS["strided"](logits), LAYOUTS["transposed"](logits)):
+        got = triton_ops.TRITON_OPS["greedy_sample"](x)
+        assert got.dtype == torch.int64 and got.tolist() == x.argmax(-1).tolist() == [CHUNK - 1, CHUNK + 3,
+                                                                                      2 * CHUNK + 299, 0, 17]
+    small = randn(3, 17, dtype=torch.bfloat16)
+    assert torch.equal(triton_ops.TRITON_OPS["greedy_sample"](small), small.argmax(-1))
+
+
 def test_activations():
     dtype = DTYPE
     for shape, layout in [((1, 2), "contiguous"), ((7, 26), "transposed"), ((2, 3, 14), "strided"),

@@ -26,6 +26,7 @@ from chitu_core.engine.scheduler import ScheduledBatch, Scheduler
 from chitu_core.engine.sequence import Request, Sequence
 from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext
+from chitu_core.layers.layout import store_linear_weights_transposed
 from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
@@ -95,6 +96,8 @@ class LLMEngine:
         self.model = model_cls(hf_config, ctx)
         self.model.load_weights(model_dir.iter_weights(progress=config.load_progress))
         self.model.eval()
+        if self.backend.transposed_linear_weights():
+            store_linear_weights_transposed(self.model)
 
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
         self.vocab_size = hf_config.vocab_size

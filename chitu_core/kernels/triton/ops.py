@@ -1,10 +1,11 @@
 """``TRITON_OPS``: the op-contract names (``chitu_core.ops.spec``) the portable Triton kernels serve.
 
 A backend merges it into its ``native_ops()``; ops not here (linear, embedding,
-sampling) are the backend's own choice or the reference's.
+sampling other than greedy) are the backend's own choice or the reference's.
 """
 
 from chitu_core.kernels.triton.activation import gelu_and_mul, silu_and_mul
+from chitu_core.kernels.triton.argmax import greedy_sample
 from chitu_core.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from chitu_core.kernels.triton.rotary import rotary_embedding
 
@@ -14,4 +15,5 @@ TRITON_OPS = {
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
     "gelu_and_mul": gelu_and_mul,
+    "greedy_sample": greedy_sample,
 }

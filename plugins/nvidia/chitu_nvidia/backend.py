@@ -82,6 +82,12 @@ class NvidiaBackend(Backend):
     def pin_memory(self) -> bool:
         return True
 
+    def transposed_linear_weights(self) -> bool:
+        """cuBLAS picks faster kernels for decode-sized GEMMs on [in, out] weights (measured on an H200
+        with scripts/gemm_layouts.py, bf16 Llama-3.1-8B shapes: LM head at batch 64 284 -> 253 us,
+        gate_up 62.4 -> 59.4 us; at batch 1 every shape 1-4% faster)."""
+        return True
+
     def completion_event(self):
         event = torch.cuda.Event()
         event.record()
