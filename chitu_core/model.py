@@ -52,7 +52,8 @@ class CausalLM(nn.Module):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, H] (the rows to sample from) -> float32 logits [B, V]."""
+        """hidden: [B, H] (the rows to sample from) -> logits [B, V] in float32 or the model's dtype
+        (the sampler upcasts where it computes in float32; a greedy step need not)."""
 
     @classmethod
     def max_model_len(cls, config) -> int:

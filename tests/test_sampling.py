@@ -372,3 +372,21 @@ def test_a_rows_token_ignores_the_other_rows_penalties_and_bans():
         alone = [run([i], seed)[0] for i in range(len(rows))]
         for indices in (list(range(len(rows))), list(reversed(range(len(rows)))), [6, 0], [0, 1, 2, 3], [5, 6, 7]):
             assert run(indices, seed) == [alone[i] for i in indices], (seed, indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_sample_as_their_float32_upcast(dtype):
+    """The model may hand over logits in its own dtype: greedy picks them as they are, everything
+    else upcasts first, so every output equals that of the float32 copy."""
+    logits = (torch.randn(4, 300, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    logits[1, [7, 90]] = 50.0  # a tie at the top: the first index either way
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    mixed = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.8, top_k=20),
+             SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05), SamplingParams(temperature=0.0, repetition_penalty=1.5)]
+    for params in (greedy, mixed):
+        args = (params, [11, 12, 13, 14], [0, 3, 5, 0], [[1, 2]] * 4, [[7, 9]] * 4, [[], [90], [], []])
+        got, want = sample(logits, *args), sample(logits.float(), *args)
+        assert torch.equal(got.tokens, want.tokens)
+        for a, b in ((got.logprobs, want.logprobs), (got.top_logprobs, want.top_logprobs)):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert sample(logits, greedy, [0] * 4, [0] * 4).tokens[1] == 7

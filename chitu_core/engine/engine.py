@@ -144,7 +144,7 @@ class LLMEngine:
             raise ChituError(f"backend {self.backend.name!r} cannot measure device memory, so gpu_memory_utilization "
                              "cannot be applied; set kv_cache_memory (bytes) instead")
         total = self.backend.memory_info(self.device_index).total_bytes
-        # Decode graphs keep their float32 and model-dtype logits, plus some activations, for good.
+        # Decode graphs keep their logits, plus some activations, for good; sampling upcasts them.
         reserve = 0 if self.graph_runner is None else self.max_graph_batch * self.vocab_size * 8 + (256 << 20)
         budget = kv_budget_from_profile(total, config.gpu_memory_utilization, peak, reserve)
         log.info("memory: %.2f GiB total, peak of the largest step %.2f GiB, graph reserve %.2f GiB -> KV cache %.2f GiB",

@@ -94,7 +94,7 @@ class DecodeGraphs:
         self._tables_key = None
 
     def run(self, seqs, size: int, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode one token for each of ``seqs`` in the graph of ``size`` rows: float32 logits [B, V].
+        """Decode one token for each of ``seqs`` in the graph of ``size`` rows: their logits [B, V].
         ``ids``: the input tokens on the device (a continuation); else read from the sequences."""
         b, bs = len(seqs), self.block_size
         positions = [s.num_computed_tokens for s in seqs]

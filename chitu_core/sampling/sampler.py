@@ -131,10 +131,15 @@ class Sampler:
         self.ops = ops
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: float32 [B, V] -> one token per row.
+        """logits: [B, V], float32 or 16-bit -> one token per row.
 
         Log-probabilities (``logprobs``, ``top_logprobs``) are those of the raw logits: before
-        bans, penalties, temperature and filters."""
+        bans, penalties, temperature and filters. Everything but a plain greedy pick runs in
+        float32 (the upcast is exact, so greedy tokens are the same either way)."""
+        plain_greedy = (batch.all_greedy and batch.banned is None and batch.prompt_mask is None
+                        and batch.max_logprobs is None)
+        if not plain_greedy:
+            logits = logits.float()
         x = logits
         if batch.banned is not None:
             x = x.masked_fill(batch.banned, float("-inf"))

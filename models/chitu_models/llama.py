@@ -140,7 +140,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model(token_ids, positions, step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
