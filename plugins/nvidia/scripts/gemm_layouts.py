@@ -1,12 +1,15 @@
 """Decode-step GEMMs of Llama-3.1-8B (bf16) by weight layout: F.linear on [N, K] weights (what the
-model does now) against a matmul on the transposed, contiguous [K, N] copy. Times 50 replays of a
-captured graph per case; prints microseconds and bandwidth against the copy bandwidth measured here.
+model did first) against a matmul on the transposed, contiguous [K, N] copy, through cuBLAS and
+cuBLASLt. Times 50 replays of a captured graph per case; prints microseconds and the share of the
+copy bandwidth (measured as the bench's floor does) they reach.
 
     python plugins/nvidia/scripts/gemm_layouts.py
 """
 
 import torch
 import torch.nn.functional as F
+
+from chitu_core.bench.floor import copy_bandwidth
 
 SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}
@@ -34,18 +37,22 @@ def timed(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / (5 * reps)
 
 
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = timed(lambda: b.copy_(a), reps=10)
-    return 2 * a.numel() / us / 1e3  # GB/s
+SMOLLM = {"smol-qkv": (576, 960), "smol-o": (576, 576), "smol-gate_up": (576, 3072), "smol-down": (1536, 576),
+          "smol-head": (576, 49152)}
 
 
 def main() -> None:
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"), torch.cuda.synchronize) / 1e9  # as the bench's floor
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s")
-    print(f"{'gemm':8} {'M':>3} {'linear [N,K] us':>16} {'%copy':>6} {'matmul [K,N] us':>16} {'%copy':>6}")
-    for name, (k, n) in SHAPES.items():
+    for library in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(library)
+        print(f"--- torch.backends.cuda.preferred_blas_library({library!r})")
+        gemms(bw)
+
+
+def gemms(bw: float) -> None:
+    print(f"{'gemm':12} {'M':>3} {'linear [N,K] us':>16} {'%copy':>6} {'matmul [K,N] us':>16} {'%copy':>6}")
+    for name, (k, n) in {**SHAPES, **SMOLLM}.items():
         w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
         wt = w.t().contiguous()
         for m in (1, 64):
@@ -53,8 +60,11 @@ def main() -> None:
             torch.testing.assert_close(F.linear(x, w), x @ wt, rtol=2e-2, atol=2e-2)
             floor_us = w.numel() * 2 / bw / 1e3
             a, b = timed(lambda: F.linear(x, w)), timed(lambda: x @ wt)
-            print(f"{name:8} {m:3d} {a:16.2f} {floor_us / a:6.1%} {b:16.2f} {floor_us / b:6.1%}")
+            print(f"{name:12} {m:3d} {a:16.2f} {floor_us / a:6.1%} {b:16.2f} {floor_us / b:6.1%}")
         del w, wt
+
+
+def argmax() -> None:
     print(f"{'argmax over 128256':20} {'M':>3} {'float32 us':>11} {'bf16 us':>8} {'bf16->float32 copy us':>22}")
     for m in (1, 64):
         logits = torch.randn(m, 128256, device="cuda")
@@ -65,3 +75,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    argmax()
