@@ -73,6 +73,37 @@ def argmax() -> None:
               f"{timed(lambda: half.float()):22.2f}")
 
 
+def rows_sweep() -> None:
+    """[K, N] weights (the layout the backend stores), cuBLAS against cuBLASLt by rows; four weight
+    copies taken in turn, so that the L2 cache does not serve a weight twice in a row."""
+    rows = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
+    print(f"{'us cublas/lt':12} " + " ".join(f"{m:>11}" for m in rows))
+    for name, (k, n) in SHAPES.items():
+        wts = [torch.randn(k, n, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(4)]
+        turn = [0]
+
+        def gemm():
+            turn[0] += 1
+            return x @ wts[turn[0] % 4]
+
+        cells = []
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            times = []
+            for library in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(library)
+                times.append(timed(gemm, reps=48))
+            cells.append(f"{times[0]:5.1f}/{times[1]:5.1f}")
+        print(f"{name:12} " + " ".join(cells))
+        del wts
+    torch.backends.cuda.preferred_blas_library("cublas")
+
+
 if __name__ == "__main__":
-    main()
-    argmax()
+    import sys
+
+    if sys.argv[1:] == ["rows"]:
+        rows_sweep()
+    else:
+        main()
+        argmax()
