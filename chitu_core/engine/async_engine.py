@@ -69,9 +69,9 @@ class AsyncLLM:
             commands: queue.Queue = queue.Queue()
             self._send_command = commands.put
 
-            def receive(block: bool):
+            def receive(timeout: float | None):
                 try:
-                    return commands.get(block=block)
+                    return commands.get(block=timeout != 0, timeout=timeout)
                 except queue.Empty:
                     return None
 

@@ -13,6 +13,7 @@ request's prompt, which the client already holds).
 """
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -24,25 +25,38 @@ from chitu_core.errors import ChituError
 log = logging.getLogger(__name__)
 
 
+BURST_GAP_S = 0.001  # an idle engine keeps taking in requests while they come closer than this
+BURST_MAX_S = 0.02  # and for no longer than this
+
+
 class EngineCore:
-    def __init__(self, engine: LLMEngine, receive: Callable[[bool], tuple | None], send: Callable[[tuple], None]):
-        """``receive(block)`` returns the next command, or None when none is waiting and block is False."""
+    def __init__(self, engine: LLMEngine, receive: Callable[[float | None], tuple | None],
+                 send: Callable[[tuple], None]):
+        """``receive(timeout)`` returns the next command, or None if none came within ``timeout``
+        seconds (0: do not wait; None: wait for one)."""
         self.engine, self.receive, self.send = engine, receive, send
 
     def run(self) -> None:
-        """Apply every waiting command, step, report; block for commands only while there is no work."""
+        """Apply every waiting command, step, report; block for commands only while there is no work.
+
+        A burst of requests reaching an idle engine is gathered before the first step: while
+        commands keep coming less than BURST_GAP_S apart (for at most BURST_MAX_S), the core
+        takes them in, so that one prefill step serves them all instead of a cascade of small
+        steps that each read every weight. A lone request waits BURST_GAP_S at most."""
         engine = self.engine
         idle_waiters: list = []
         while True:
-            command = self.receive(not engine.has_unfinished() and not idle_waiters)
+            fresh = not engine.has_unfinished()
+            command = self.receive(None if fresh and not idle_waiters else 0)
             while command is not None:
-                if command[0] == "stop":
+                if self._handle(command, idle_waiters):
                     return
-                if command[0] == "idle":
-                    idle_waiters.append(command[1])
-                else:
-                    self._apply(command)
-                command = self.receive(False)
+                command = self.receive(0)
+            if fresh and engine.has_unfinished():
+                deadline = time.monotonic() + BURST_MAX_S
+                while time.monotonic() < deadline and (command := self.receive(BURST_GAP_S)) is not None:
+                    if self._handle(command, idle_waiters):
+                        return
             if engine.has_unfinished():
                 try:
                     outputs = engine.step()
@@ -54,6 +68,16 @@ class EngineCore:
             elif idle_waiters:
                 self.send(("idle", idle_waiters))
                 idle_waiters = []
+
+    def _handle(self, command: tuple, idle_waiters: list) -> bool:
+        """Apply one command; True for "stop"."""
+        if command[0] == "stop":
+            return True
+        if command[0] == "idle":
+            idle_waiters.append(command[1])
+        else:
+            self._apply(command)
+        return False
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
@@ -80,8 +104,8 @@ def run_core_process(config: EngineConfig, commands: Connection, outputs: Connec
         return
     outputs.send(("ready", {"max_model_len": engine.max_model_len}))
 
-    def receive(block: bool) -> tuple | None:
-        if not block and not commands.poll():
+    def receive(timeout: float | None) -> tuple | None:
+        if timeout is not None and not commands.poll(timeout):
             return None
         try:
             return commands.recv()
