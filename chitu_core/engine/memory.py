@@ -36,7 +36,7 @@ def largest_step(model, attention: AttentionBackend, num_layers: int, num_tokens
     token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     hidden = model(token_ids, positions, StepContext(meta, [stand_in] * num_layers))
     rows = torch.arange(min(num_rows, num_tokens), device=device)
-    model.compute_logits(hidden[rows]).softmax(dim=-1)
+    model.compute_logits(hidden[rows]).float().softmax(dim=-1)  # as a sampling step upcasts them
 
 
 def kv_budget_from_profile(total_bytes: int, utilization: float, peak_bytes: int, reserve_bytes: int) -> int:
