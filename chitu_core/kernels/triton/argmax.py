@@ -1,7 +1,7 @@
 """``greedy_sample``: the index of each row's largest logit (the first one on ties), in two passes.
 
 torch's argmax gives a row to one block of threads, which leaves most of a GPU idle for a decode
-batch (the NVIDIA plugin's docstring has the numbers). Here each program takes one
+batch (a backend's notes may give numbers). Here each program takes one
 chunk of a row and writes its largest value and where it is; a second program per row picks
 the first chunk holding the row's maximum. A NaN is taken for +inf (torch also ranks NaN first).
 """
