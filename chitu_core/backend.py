@@ -157,7 +157,7 @@ class Backend(ABC):
 
     def completion_event(self):
         """An event recorded now on the device's work queue: an object whose ``synchronize()``
-        returns once all work queued before it has finished (``torch.cuda.Event`` after
+        returns once all work queued before it has finished (the device's event type, after
         ``record()``). None, the default, where device work is done by the time the call that
         queued it returns. The engine waits on one for each step's asynchronous device-to-host copy."""
         return None

@@ -54,8 +54,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        self.staging = [(_pinned((4, rows), torch.int64, pin_memory), _pinned(rows * width, torch.int32, pin_memory))
-                        for _ in range(2)]
+        self.staging = []  # two sets of (packed, tables) pinned tensors with their numpy views
+        for _ in range(2):
+            packed, tables = _pinned((4, rows), torch.int64, pin_memory), _pinned(rows * width, torch.int32, pin_memory)
+            self.staging.append((packed, tables, packed.numpy(), tables.numpy()))
         self._turn = 0
         self._tables_key = None
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
@@ -98,9 +100,8 @@ class DecodeGraphs:
         ``ids``: the input tokens on the device (a continuation); else read from the sequences."""
         b, bs = len(seqs), self.block_size
         positions = [s.num_computed_tokens for s in seqs]
-        host_packed, host_tables = self.staging[self._turn]
+        host_packed, host_tables, host, host_tables_np = self.staging[self._turn]
         self._turn ^= 1
-        host = host_packed.numpy()
         if ids is None:
             host[IDS, :b] = [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
         host[POSITIONS, :b] = positions
@@ -116,7 +117,7 @@ class DecodeGraphs:
         key = tuple((s.seq_id, len(s.block_table), s.block_table[-1]) for s in seqs)
         if key != self._tables_key:
             width = max(len(s.block_table) for s in seqs)
-            tables = host_tables.numpy()[: b * width].reshape(b, width)
+            tables = host_tables_np[: b * width].reshape(b, width)
             tables[:] = 0
             for row, s in zip(tables, seqs):
                 row[: len(s.block_table)] = s.block_table
