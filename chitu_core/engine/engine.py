@@ -65,12 +65,6 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-@dataclass
-class _Launched:
-    batch: ScheduledBatch
-    pending: PendingStep
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -120,7 +114,7 @@ class LLMEngine:
             with torch.inference_mode():
                 self.runner.graphs.capture()
         self.requests: dict[str, Request] = {}
-        self._launched: _Launched | None = None  # a step whose tokens the host has not processed yet
+        self._launched: PendingStep | None = None  # a step whose tokens the host has not processed yet
         # Timing each forward (profile_steps) waits for the device, which leaves nothing to overlap.
         self.async_scheduling = config.async_scheduling and not config.profile_steps
         self.stats = EngineStats()
@@ -273,7 +267,7 @@ class LLMEngine:
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _launch(self, batch: ScheduledBatch, ids: torch.Tensor | None = None, ahead: int = 0) -> "_Launched":
+    def _launch(self, batch: ScheduledBatch, ids: torch.Tensor | None = None, ahead: int = 0) -> PendingStep:
         now = time.monotonic()
         pending = self.runner.launch(batch, ids, ahead)
         self.stats.num_steps += 1
@@ -285,14 +279,14 @@ class LLMEngine:
             metrics.num_computed_prompt_tokens += prompt_part
             self.stats.num_prompt_tokens_computed += prompt_part
             seq.num_computed_tokens += n
-        return _Launched(batch, pending)
+        return pending
 
-    def _continuation(self, current: "_Launched") -> "_Launched | None":
+    def _continuation(self, current: PendingStep) -> PendingStep | None:
         """Launch the decode step that follows ``current`` without waiting for its tokens, or None
         where the next step needs the scheduler: requests wait, a row had no token (partial
         prefill), or the KV cache needs a preemption."""
-        batch, pending = current.batch, current.pending
-        if self.scheduler.waiting or len(pending.sampling) != len(batch.seqs):
+        batch = current.batch
+        if self.scheduler.waiting or len(current.sampling) != len(batch.seqs):
             return None
         rows, seqs = [], []
         for row, seq in enumerate(batch.seqs):
@@ -308,14 +302,14 @@ class LLMEngine:
             return None
         for seq in seqs:
             blocks.allocate(seq, seq.num_computed_tokens + 1)
-        ids = pending.tokens
+        ids = current.tokens
         if len(rows) < len(batch.seqs):
             ids = ids[torch.tensor(rows).to(self.device, non_blocking=True)]
         return self._launch(ScheduledBatch(seqs, [1] * len(seqs)), ids, ahead=1)
 
-    def _process(self, launched: "_Launched") -> list[RequestOutput]:
+    def _process(self, launched: PendingStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and record them; the deltas of the requests that progressed."""
-        results = launched.pending.results()
+        results = launched.results()
         progressed: dict[str, dict[int, CompletionOutput]] = {}
         for seq, result in zip(launched.batch.seqs, results):
             if seq.is_finished:

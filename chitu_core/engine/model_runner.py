@@ -28,17 +28,17 @@ class StepResult:
 
 
 class PendingStep:
-    """A launched step. ``tokens``: the sampled token of each sampling row, on the device."""
+    """A launched step of ``batch``. ``tokens``: the sampled token of each sampling row, on the device."""
 
-    def __init__(self, num_rows: int, sampling: list[int], wanted: list[int | None], k: int,
+    def __init__(self, batch: ScheduledBatch, sampling: list[int], wanted: list[int | None], k: int,
                  tokens: torch.Tensor | None, host: torch.Tensor | None, event):
-        self.num_rows, self.sampling, self.wanted, self.k = num_rows, sampling, wanted, k
+        self.batch, self.sampling, self.wanted, self.k = batch, sampling, wanted, k
         self.tokens, self.host, self.event = tokens, host, event
 
     def results(self) -> list[StepResult | None]:
         """Per scheduled row, its new token, or None if it has not reached its last token yet (a
         partial prefill). Waits for the step's device-to-host copy."""
-        results: list[StepResult | None] = [None] * self.num_rows
+        results: list[StepResult | None] = [None] * len(self.batch.seqs)
         if not self.sampling:
             return results
         if self.event is not None:
@@ -111,10 +111,6 @@ class ModelRunner:
         meta.backend_state = self.attention.prepare(meta)
         return ids, positions.to(self.device, non_blocking=True), meta
 
-    def run(self, batch: ScheduledBatch) -> list[StepResult | None]:
-        """One forward and sample, waited for: ``launch(batch).results()``."""
-        return self.launch(batch).results()
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, ids: torch.Tensor | None = None, ahead: int = 0) -> PendingStep:
         """Queue one forward and sample. ``ids``: for a continuation, each sequence's input token on
@@ -141,7 +137,7 @@ class ModelRunner:
             self.synchronize()
             self.last_forward_seconds = time.perf_counter() - start
         if not sampling:
-            return PendingStep(len(batch.seqs), [], [], 0, None, None, None)
+            return PendingStep(batch, [], [], 0, None, None, None)
         seqs = [batch.seqs[i] for i in sampling]
         sbatch = SamplingBatch.build(
             [s.params for s in seqs],
@@ -162,7 +158,7 @@ class ModelRunner:
             packed = torch.cat([out.tokens.double()[:, None], out.logprobs.double()[:, None], out.top_ids.double(),
                                 out.top_logprobs.double()], dim=1)
         host = packed.to("cpu", non_blocking=True)  # lands in page-locked memory where the copy is asynchronous
-        return PendingStep(len(batch.seqs), sampling, [s.params.logprobs for s in seqs], sbatch.max_logprobs or 0,
+        return PendingStep(batch, sampling, [s.params.logprobs for s in seqs], sbatch.max_logprobs or 0,
                            out.tokens, host, self.new_event())
 
     def _banned(self, seq, ahead: int = 0) -> list[int]:
