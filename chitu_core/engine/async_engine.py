@@ -14,6 +14,10 @@ pickles them through two pipes, read on this side by a thread that hands them to
 
 A consumer that stops iterating (a client that went away) aborts its request,
 which frees its KV blocks at the next step boundary.
+
+If the engine core fails (a step raised, or its process died) the engine is dead for good: every
+request in flight and every later one raises ``EngineDeadError``, ``error`` says why, and the
+callbacks given to ``on_failure`` run, so that a server can answer 503 and exit to be restarted.
 """
 
 import asyncio
@@ -21,8 +25,9 @@ import itertools
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from chitu_core.config import EngineConfig
@@ -33,6 +38,10 @@ from chitu_core.errors import ChituError
 from chitu_core.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class EngineDeadError(ChituError):
+    """The engine core failed (a step raised, or its process died); no request can run any more."""
 
 
 @dataclass
@@ -58,7 +67,9 @@ class AsyncLLM:
         self._waiting: dict[object, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # adds, idle waits
         self._ids = itertools.count()
         self._stats = EngineStats()
-        self._error: BaseException | None = None
+        self._lock = threading.Lock()  # orders registering a waiter against the failure that fails them all
+        self._error: str | None = None
+        self._failure_callbacks: list[Callable[[str], None]] = []
         self._stopping = False
         self.engine: LLMEngine | None = None
         if process:
@@ -113,7 +124,7 @@ class AsyncLLM:
                 self._commands.send(command)
             except (BrokenPipeError, OSError) as exc:
                 if not self._stopping:
-                    self._dispatch(("failed", f"the engine process is gone ({exc})"))
+                    self._fail(f"the engine process is gone ({exc})")
 
     def _read_outputs(self) -> None:
         """Hand the engine's messages to the loop. When several wait in the pipe (this side fell
@@ -127,7 +138,7 @@ class AsyncLLM:
             except (EOFError, OSError):
                 if not self._stopping:
                     self._process.join(1)
-                    self._dispatch(("failed", f"the engine process exited (code {self._process.exitcode})"))
+                    self._fail(f"the engine process exited ({_exit_status(self._process.exitcode)})")
                 return
             deltas: dict[str, RequestOutput] = {}
             for message in messages:
@@ -143,19 +154,35 @@ class AsyncLLM:
 
     # --- the event-loop side ----------------------------------------------------------------------
 
+    @property
+    def error(self) -> str | None:
+        """Why the engine core failed, or None while it runs. Once set it stays set."""
+        return self._error
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once when the engine core fails, or now if it already has.
+        It runs on whichever thread learned of the failure (usually not the event loop's):
+        keep it short and thread-safe, e.g. set a flag or ``loop.call_soon_threadsafe``."""
+        with self._lock:
+            if self._error is None:
+                self._failure_callbacks.append(callback)
+                return
+        callback(self._error)
+
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                           prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Queue a request; once the engine accepted it, return the iterator of its delta outputs.
-        Raises ValueError (or ChituError) if the engine refuses it. Closing the iterator before
-        the end aborts the request; a caller that never iterates must ``abort`` it."""
-        if self._error is not None:
-            raise ChituError(f"the engine stopped after an error: {self._error}")
+        Raises ValueError (or ChituError) if the engine refuses it, EngineDeadError if the engine
+        failed. Closing the iterator before the end aborts the request; a caller that never
+        iterates must ``abort`` it."""
         request_id = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), prompt_token_ids, prompt)
         accepted = loop.create_future()
-        self._streams[request_id] = stream
-        self._waiting[("add", request_id)] = (loop, accepted)
+        with self._lock:
+            self._check_alive()
+            self._streams[request_id] = stream
+            self._waiting[("add", request_id)] = (loop, accepted)
         self._send_command(("add", request_id, prompt_token_ids, params, prompt, priority))
         try:
             await accepted
@@ -204,9 +231,15 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         key = ("idle", next(self._ids))
-        self._waiting[key] = (loop, done)
+        with self._lock:
+            self._check_alive()
+            self._waiting[key] = (loop, done)
         self._send_command(("idle", key))
         await asyncio.wait_for(done, timeout)
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._error}")
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -240,12 +273,26 @@ class AsyncLLM:
             for key in message[1]:
                 self._resolve(key, None)
         elif kind == "failed":
-            self._error = message[1]
-            error = ChituError(f"the engine failed: {message[1]}")
-            for rid in list(self._streams):
-                self._send(rid, error)
-            for key in list(self._waiting):
-                self._resolve(key, error)
+            self._fail(message[1])
+
+    def _fail(self, reason: str) -> None:
+        """The engine core is dead: fail every stream and waiter, then tell the callbacks. The
+        first reason wins (a process whose step failed also reports its exit after)."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = reason
+            streams, waiters = list(self._streams), list(self._waiting)
+            callbacks, self._failure_callbacks = self._failure_callbacks, []
+        for rid in streams:
+            self._send(rid, EngineDeadError(f"the engine failed: {reason}"))
+        for key in waiters:
+            self._resolve(key, EngineDeadError(f"the engine failed: {reason}"))
+        for callback in callbacks:
+            try:
+                callback(reason)
+            except Exception:
+                log.exception("an engine failure callback raised")
 
     def _resolve(self, key, error: BaseException | None) -> None:
         waiter = self._waiting.pop(key, None)
@@ -253,9 +300,9 @@ class AsyncLLM:
             return
         loop, future = waiter
         if error is None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+            _call_soon(loop, lambda: future.done() or future.set_result(None))
         else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
+            _call_soon(loop, lambda: future.done() or future.set_exception(error))
 
     def _send(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -263,4 +310,22 @@ class AsyncLLM:
             return
         if isinstance(item, BaseException) or item.finished:
             self._streams.pop(request_id, None)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        _call_soon(stream.loop, stream.queue.put_nowait, item)
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"code {code}"
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # that loop is closed: nobody waits there any more
+        pass

@@ -4,8 +4,9 @@ Commands in (tuples): ("add", request_id, prompt_token_ids, params, prompt, prio
 ("abort", request_id), ("idle", key), ("stop",).
 Messages out: ("accepted", request_id), ("rejected", request_id, exception),
 ("outputs", [RequestOutput deltas of one step], EngineStats), ("idle", [keys]),
-("failed", reason) after which the core stops. In a process of its own it first sends
-("ready", {"max_model_len": ...}), or ("failed", reason) if the model did not load.
+("failed", reason) after which the core stops: whatever raises out of the loop (a step, or a
+bug) leaves the engine's state unknown, so it is never survived. In a process of its own the
+core first sends ("ready", {"max_model_len": ...}), or ("failed", reason) if the model did not load.
 
 The same loop runs on a thread (``receive`` and ``send`` pass objects) or in a child
 process (``run_core_process``: they pickle through pipes, and deltas travel without their
@@ -37,6 +38,16 @@ class EngineCore:
         self.engine, self.receive, self.send = engine, receive, send
 
     def run(self) -> None:
+        """Serve commands until "stop"; if anything raises, send ("failed", reason) and return."""
+        try:
+            self._loop()
+        except ConnectionError:
+            raise  # the transport is gone: there is nobody to tell
+        except Exception as exc:
+            log.exception("the engine core failed")
+            self.send(("failed", f"{type(exc).__name__}: {exc}"))
+
+    def _loop(self) -> None:
         """Apply every waiting command, step, report; block for commands only while there is no work.
 
         A burst of requests reaching an idle engine is gathered before the first step: while
@@ -58,12 +69,7 @@ class EngineCore:
                     if self._handle(command, idle_waiters):
                         return
             if engine.has_unfinished():
-                try:
-                    outputs = engine.step()
-                except Exception as exc:  # a broken engine: fail every stream rather than hang them
-                    log.exception("engine step failed")
-                    self.send(("failed", repr(exc)))
-                    return
+                outputs = engine.step()
                 self.send(("outputs", outputs, EngineStats(**vars(engine.stats))))
             elif idle_waiters:
                 self.send(("idle", idle_waiters))

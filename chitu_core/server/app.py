@@ -4,6 +4,10 @@ Every /v1 route checks the API key (when keys are configured) and the model
 name, admits the request against the server's queue capacity, hands it to the
 AsyncLLM and answers with one JSON body or an SSE stream ending in
 ``data: [DONE]``. A client that disconnects mid-stream aborts its request.
+
+When the engine fails, the requests it was running get a 500 (a stream that has begun gets one
+``data: {"error": ...}`` event instead of ``[DONE]``), later ones a 503, and /health a 503 that
+says why: the engine does not come back, so whoever runs the server should restart it.
 """
 
 import hmac
@@ -13,12 +17,12 @@ from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chitu_core.engine.async_engine import AsyncLLM
+from chitu_core.engine.async_engine import AsyncLLM, EngineDeadError
 from chitu_core.server import schemas as s
-from chitu_core.server.errors import APIError, bad_request
+from chitu_core.server.errors import APIError, bad_request, engine_failed
 from chitu_core.server.handlers import Prepared, admit, chat_logprobs, completion_logprobs, merged, sampling_params, sse
 from chitu_core.server.metrics import ServerMetrics
 
@@ -125,6 +129,14 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
     async def _http(_, exc: StarletteHTTPException):
         return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
 
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_, exc: EngineDeadError):  # the engine failed under a request it was running
+        return engine_failed(500, str(exc)).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(_, exc: Exception):  # Starlette logs the traceback after this answers
+        return APIError(500, f"internal server error: {type(exc).__name__}", "server_error").response()
+
     app.add_middleware(RequestCounter, metrics=state.metrics)
 
     def authorized(request: Request) -> int:
@@ -132,6 +144,9 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
 
     @app.get("/health")
     async def health():
+        if state.llm.error is not None:
+            reason = f"the engine failed: {state.llm.error}"
+            return JSONResponse({"status": "failed", "reason": reason}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -172,6 +187,8 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
         return await run(prep, body, priority, chat=False)
 
     async def run(prep: Prepared, body, priority: int, chat: bool) -> Response:
+        if state.llm.error is not None:
+            raise engine_failed(503, f"the engine failed, and this server must be restarted: {state.llm.error}")
         if state.pending + len(prep.prompts) > state.max_pending:
             raise APIError(503, f"the server is at capacity ({state.max_pending} requests in flight); retry later",
                            "server_error", None, "server_overloaded")
@@ -198,9 +215,15 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
             state.llm.abort(rid)
 
     async def release(prep: Prepared, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The stream's events; if it breaks after the 200 went out, one error event ends it."""
         try:
             async for event in events:
                 yield event
+        except EngineDeadError as exc:
+            yield sse(engine_failed(500, str(exc)).body())
+        except Exception as exc:
+            log.exception("a stream failed")
+            yield sse(APIError(500, f"internal server error: {type(exc).__name__}", "server_error").body())
         finally:
             finish(prep)
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from chitu_core.engine.async_engine import AsyncLLM
+from chitu_core.engine.async_engine import AsyncLLM, EngineDeadError
 from chitu_core.engine.outputs import RequestOutput
 from chitu_core.errors import ChituError
 from chitu_core.sampling.params import SamplingParams
 from chitu_core.server import schemas as s
-from chitu_core.server.errors import bad_request
+from chitu_core.server.errors import bad_request, engine_failed
 
 
 @dataclass
@@ -51,7 +51,8 @@ def sampling_params(req: s._Request, max_tokens: int | None, prompt_len: int, ma
 
 
 async def admit(llm: AsyncLLM, prep: Prepared, priority: int) -> list[AsyncIterator[RequestOutput]]:
-    """Queue every prompt of a request; all or none. A prompt the engine refuses is a 400."""
+    """Queue every prompt of a request; all or none. A prompt the engine refuses is a 400;
+    an engine that failed is a 503."""
     streams = []
     try:
         for i, rid in enumerate(prep.engine_ids()):
@@ -59,6 +60,8 @@ async def admit(llm: AsyncLLM, prep: Prepared, priority: int) -> list[AsyncItera
     except (ValueError, ChituError) as exc:
         for rid in prep.engine_ids()[: len(streams)]:
             llm.abort(rid)
+        if isinstance(exc, EngineDeadError):
+            raise engine_failed(503, str(exc)) from None
         raise bad_request(str(exc), code="context_length_exceeded" if "max_model_len" in str(exc) else None) from None
     return streams
 

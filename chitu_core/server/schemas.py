@@ -1,6 +1,8 @@
 """Request and response bodies of the OpenAI API subset we serve, as pydantic models.
 
-Unknown fields are ignored (as OpenAI's own server does), wrong types are 400s.
+Unknown fields are ignored (as OpenAI's own server does), wrong types are 400s, and so are
+NaN and Infinity (which Python's JSON parser accepts). Ranges that keep an engine step from
+raising (int64 seeds and token ids, top_k >= -1) are SamplingParams' to check.
 Our extensions to OpenAI's sampling fields: top_k, min_p, min_tokens,
 repetition_penalty, ignore_eos, priority is not one (it comes from the API key).
 """
@@ -12,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -52,6 +54,13 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, v):
+        if isinstance(v, list) and any(p.get("type") == "text" and not isinstance(p.get("text", ""), str) for p in v):
+            raise ValueError("a text content part's text must be a string")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
