@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from chitu_core.attention.contract import AttentionBackend
+    from chitu_core.attention.mla import MLAAttentionBackend
     from chitu_core.conformance.thresholds import Threshold
 
 
@@ -108,6 +109,11 @@ class Backend(ABC):
         reference attention (reported as a fallback)."""
         return {}
 
+    def mla_attention_backends(self) -> Mapping[str, "type[MLAAttentionBackend]"]:
+        """Multi-head latent attention backends by name (contract 1.1); the first is the default.
+        Empty, the default, means the core's reference MLA (reported as a fallback)."""
+        return {}
+
     def process_group_backend(self) -> str:
         """The torch.distributed backend its communicator runs on ("gloo", ...)."""
         return "gloo"
@@ -121,9 +127,11 @@ class Backend(ABC):
         what it declines as unsupported rather than failed.
 
         ``op`` is a name of ``chitu_core.ops.OP_NAMES``, or "attention" (params: backend, num_heads,
-        num_kv_heads, head_dim, block_size, kind, max_seq_len, max_query_len), "sampler", a collective
-        ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"; params: world_size,
-        device_count, process_group_backend), "quant" (params: method, m, k, n, bias) or "model"
+        num_kv_heads, head_dim, block_size, kind, max_seq_len, max_query_len), "mla_attention" (latent
+        attention, contract 1.1; params: backend, num_heads, kv_lora_rank, rope_dim, block_size, kind,
+        max_seq_len, max_query_len), "sampler", a collective ("all_reduce", "all_gather",
+        "reduce_scatter", "broadcast", "send_recv"; params: world_size, device_count,
+        process_group_backend), "quant" (params: method, m, k, n, bias) or "model"
         (params: architecture, num_heads, num_kv_heads, head_dim). Ops whose contract fixes float32
         (the sampling ops) are asked with float32. The default: every dtype of ``supported_dtypes()``,
         and collectives only where each rank can have a device of its own, or the process group is

@@ -23,6 +23,9 @@ class EngineConfig(BaseSettings):
     device: str = Field("auto", description="backend name, or 'auto' for the highest-priority available one")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto': the checkpoint's dtype if the backend supports it, else the backend's default")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="auto: read the checkpoint's weights; dummy: random weights made in place on the device "
+        "from config.json alone (for benchmarks)")
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's)")
     max_num_seqs: int = Field(256, ge=1, description="most sequences in one step")
     max_num_batched_tokens: int = Field(8192, ge=1, description="most new tokens in one step")

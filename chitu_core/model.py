@@ -4,7 +4,7 @@ A model plugin registers classes under the entry-point group ``chitu_core.models
 keyed by the HF ``architectures`` name they implement ("LlamaForCausalLM"). Each
 class subclasses ``CausalLM``, sets ``contract_version``, builds itself from
 ``chitu_core.layers`` and declares how checkpoint names map onto its fused
-parameters (``stacked_params``).
+parameters (``stacked_params``, or ``map_weight_name`` where a fragment cannot say it).
 """
 
 from abc import abstractmethod
@@ -20,12 +20,22 @@ from chitu_core.layers.context import StepContext
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """The per-rank attention shape the KV cache is sized for."""
+    """The per-rank attention shape the KV cache is sized for.
+
+    Multi-head latent attention (contract 1.1) sets kv_lora_rank and rope_dim: the cache then holds
+    one latent of kv_lora_rank + rope_dim channels per token (num_kv_heads 1, head_dim the latent's
+    width), and the engine builds the backend's MLA attention instead of the regular one."""
 
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
 
 class CausalLM(nn.Module):
@@ -36,6 +46,8 @@ class CausalLM(nn.Module):
         (".qkv_proj.", ".q_proj.", "q"): checkpoint "…q_proj.weight" loads into shard "q" of
         "…qkv_proj.weight".
     ignored_weights: checkpoint name fragments to skip (e.g. stale "rotary_emb.inv_freq").
+    map_weight_name: checkpoint name -> (parameter name, shard id); applies stacked_params unless a
+        model overrides it (MoE models map "…experts.{e}.gate_proj.weight" into a stacked tensor).
     """
 
     stacked_params: ClassVar[tuple[tuple[str, str, object], ...]] = ()
@@ -60,9 +72,30 @@ class CausalLM(nn.Module):
         """The longest sequence this config can attend over correctly."""
         return config.max_position_embeddings
 
+    def map_weight_name(self, name: str) -> tuple[str, object]:
+        """The parameter a checkpoint tensor loads into, and its shard id (None: the whole tensor).
+        The default applies ``stacked_params``; contract 1.1."""
+        for fused, part, shard_id in self.stacked_params:
+            if part in name:
+                return name.replace(part, fused), shard_id
+        return name, None
+
     def skip_weight(self, name: str) -> bool:
         """Whether a checkpoint tensor is deliberately not loaded."""
         return any(fragment in name for fragment in self.ignored_weights)
+
+    def process_weights_after_loading(self) -> None:
+        """Once every weight is in place (from a checkpoint or ``load_format="dummy"``): each layer's
+        quantization method runs its load-time transform, then each submodule that defines
+        ``process_weights_after_loading()`` derives what it keeps from its weights (e.g. the MLA
+        layer's absorbed matrices). Override to add model-wide steps, calling this first."""
+        for module in self.modules():
+            quant = getattr(module, "quant", None)
+            if quant is not None:
+                quant.process_weights_after_loading(module)
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "process_weights_after_loading", None)):
+                module.process_weights_after_loading()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors (see chitu_core.loader.weights.load_into)."""

@@ -136,3 +136,16 @@ def test_report_of_an_offline_run(tiny_dir, tmp_path):
     assert row[2:4] == ["2", "4/3"]
     assert row[4].startswith(f"{r['decode_tok_per_s']:.1f} (") and row[7] == f"{100 * r['floor_fraction']:.1f}%"
     assert row[8:] == ["-", "- |"]  # no peer
+
+
+def test_moe_floor_counts_the_routed_experts(tmp_path):
+    path = tmp_path / "tiny-mixtral"
+    bench("random-model", "--like", "tiny-mixtral", "--out", str(path), "--dtype", "float32")
+    r = json.loads(bench("offline", "--model", str(path), "--device", "cpu", "--dtype", "float32", "--batch-size", "1",
+                         "--input-len", "6", "--output-len", "4", "--warmup", "0", "--no-profile", "--json"))
+    f = r["floor"]
+    per_expert = (2 * 128 * 64 + 64 * 128) * 4  # w13 [2I, H] and w2 [H, I] of one expert, float32
+    assert f["expert_bytes_all"] == 2 * 8 * per_expert  # 2 layers of 8 experts
+    # Batch 1: each decode step's token goes to its top-2, two distinct experts in each of the 2 layers.
+    assert f["expert_bytes_routed_mean"] == 2 * 2 * per_expert
+    assert f["weight_bytes"] == r["model_config"]["num_parameters"] * 4 - 512 * 64 * 4 - 6 * 2 * per_expert

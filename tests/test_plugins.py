@@ -35,7 +35,10 @@ from chitu_core.plugins.discovery import entries
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "plugins"
-MODELS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+MODELS = [  # in name order, as the inventory lists them
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+    "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+]
 IGNORED = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
 
 ABSENT_REASON = "no Absent accelerator found: /dev/absent0 does not exist (install the Absent driver)"
@@ -233,7 +236,7 @@ def assert_stock(inv: dict) -> None:
                                 "contract_version", "device_count", "process_group_backend", "quant_methods",
                                 "graph_runner", "attention", "fallback_ops", "overridden_ops")} == {
         "distribution": "chitu-cpu", "version": "0.1.0", "loaded": True, "available": True, "reason": "",
-        "device_type": "cpu", "priority": 0, "contract_version": "1.0", "device_count": 1,
+        "device_type": "cpu", "priority": 0, "contract_version": "1.1", "device_count": 1,
         "process_group_backend": "gloo", "quant_methods": ["unquantized"], "graph_runner": False,
         "attention": list(declared.attention_backends()), "fallback_ops": fallbacks, "overridden_ops": {},
     }
@@ -242,7 +245,7 @@ def assert_stock(inv: dict) -> None:
     models = [m for m in inv["models"] if m["distribution"] == "chitu-models"]
     assert [(m["architecture"], m["loaded"]) for m in models] == [(a, True) for a in MODELS]
     assert {"name": "unquantized", "origin": "chitu-core"} in inv["quant_methods"]
-    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.0"
+    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.1"
     assert inv["failures"] == []
 
 

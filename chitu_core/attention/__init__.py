@@ -1,6 +1,8 @@
 """The attention contract: paged KV cache whose layout the backend chooses, metadata built once a
-step, one call for a mixed batch of prefills and decodes. ``reference`` is its plain-PyTorch oracle."""
+step, one call for a mixed batch of prefills and decodes. ``reference`` is its plain-PyTorch oracle;
+``mla`` is the multi-head latent attention variant (contract 1.1) with its own reference."""
 
-from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.attention.contract import AttentionBackend, AttentionMetadata, PagedKVBackend
+from chitu_core.attention.mla import MLAAttentionBackend
 
-__all__ = ["AttentionBackend", "AttentionMetadata"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "MLAAttentionBackend", "PagedKVBackend"]

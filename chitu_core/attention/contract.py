@@ -55,42 +55,24 @@ class AttentionMetadata:
         return int(self.seq_lens.shape[0])
 
 
-class AttentionBackend(ABC):
-    """Paged attention for one model: one instance serves every layer.
-
-    Construct with the model's head counts and the cache geometry. Queries have
-    ``num_heads`` heads, keys and values ``num_kv_heads`` (GQA: query head h uses
-    key/value head h // (num_heads // num_kv_heads)).
-    """
+class PagedKVBackend(ABC):
+    """What every attention variant shares: a paged cache of ``block_size``-token blocks, laid out as
+    the backend chooses (``kv_cache_shape``), and per-step state derived once for all layers."""
 
     name: ClassVar[str] = "attention"
     block_sizes: ClassVar[tuple[int, ...]] = (16,)
     """Block sizes (tokens per block) this backend supports; the first is its default."""
-    fuses_rotary: ClassVar[bool] = False
-    """True where the backend applies RoPE while writing the cache (``rotary_and_write_kv``, then
-    ``attend``): the attention layer then skips its separate rotary pass over q and k."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
         if block_size not in self.block_sizes:
             raise ValueError(
                 f"attention backend {self.name!r} supports block sizes {self.block_sizes}, not {block_size}"
             )
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, device
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor holding ``num_blocks`` blocks of keys and values."""
+        """Shape of one layer's cache tensor holding ``num_blocks`` blocks."""
 
     def allocate_kv_cache(self, num_blocks: int) -> Tensor:
         """One layer's cache tensor, zero-filled (so unwritten slots are never NaN)."""
@@ -112,6 +94,37 @@ class AttentionBackend(ABC):
     def warmup(self) -> None:
         """Before the first request: compile (or otherwise make ready) what steps will run, so that
         no request waits on it. Default: nothing."""
+
+
+class AttentionBackend(PagedKVBackend):
+    """Paged attention for one model: one instance serves every layer.
+
+    Construct with the model's head counts and the cache geometry. Queries have
+    ``num_heads`` heads, keys and values ``num_kv_heads`` (GQA: query head h uses
+    key/value head h // (num_heads // num_kv_heads)).
+    """
+
+    fuses_rotary: ClassVar[bool] = False
+    """True where the backend applies RoPE while writing the cache (``rotary_and_write_kv``, then
+    ``attend``): the attention layer then skips its separate rotary pass over q and k."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        super().__init__(block_size, dtype, device)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor holding ``num_blocks`` blocks of keys and values."""
 
     @abstractmethod
     def forward(

@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each module adds its own arguments and sets `run`.
     offline.add_arguments(commands.add_parser("offline", help="throughput and step times of one fixed batch"))
-    random_model.add_arguments(commands.add_parser("random-model", help="write a random-weight model of a named config"))
+    random_model.add_arguments(commands.add_parser("random-model", help="write a random-weight model, or its config alone, of a named config"))
     serve.add_arguments(commands.add_parser("serve", help="latency and throughput of an OpenAI-compatible server"))
     report.add_arguments(commands.add_parser("report", help="one markdown page from a directory of results"))
     args = parser.parse_args(argv)

@@ -56,3 +56,47 @@ def decode_kv_bytes(kv_bytes_per_token: int, batch_size: int, input_len: int, ou
     if not steps:
         return 0.0
     return kv_bytes_per_token * batch_size * statistics.fmean(input_len + j for j in steps)
+
+
+class RoutedExperts:
+    """The expert weights the decode steps of a MoE model actually read.
+
+    A decode step reads, in each MoE layer, only the experts its tokens were routed to. While this
+    recorder is open (a context manager), a forward hook on every ``FusedMoE`` layer repeats the
+    layer's routing on its router logits and counts the distinct experts chosen; call it around an
+    eager run (hooks do not run inside replayed graphs). ``bytes_per_step(max_tokens)`` is then the
+    mean, over the forward passes of at most ``max_tokens`` tokens (decode steps), of the routed
+    experts' bytes summed over layers."""
+
+    def __init__(self, model):
+        from chitu_core.layers.moe import FusedMoE
+
+        self.layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        self.calls: list[tuple[int, int]] = []  # (tokens, expert bytes read) per layer call
+        self._handles = []
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def all_expert_bytes(self) -> int:
+        """Bytes of every routed expert of every layer (what weight_bytes_read counts for them)."""
+        return sum(m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size() for m in self.layers)
+
+    def _hook(self, layer, inputs, _output) -> None:
+        _, ids = layer.ops.moe_route(inputs[1], correction_bias=layer.e_score_correction_bias, **layer.route_args)
+        hit = int(ids[ids >= 0].unique().numel())
+        per_expert = (layer.w13[0].numel() * layer.w13.element_size() + layer.w2[0].numel() * layer.w2.element_size())
+        self.calls.append((inputs[0].shape[0], hit * per_expert))
+
+    def __enter__(self) -> "RoutedExperts":
+        self._handles = [m.register_forward_hook(self._hook) for m in self.layers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def bytes_per_step(self, max_tokens: int) -> float:
+        decode = [b for t, b in self.calls if t <= max_tokens]
+        return sum(decode) / (len(decode) / len(self.layers)) if decode else 0.0

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from chitu_core.bench.floor import copy_bandwidth, decode_kv_bytes, weight_bytes_read
+from chitu_core.bench.floor import RoutedExperts, copy_bandwidth, decode_kv_bytes, weight_bytes_read
 from chitu_core.bench.peer import run_hf
 from chitu_core.engine.llm import LLM
 from chitu_core.loader.hf import open_model_dir
@@ -74,15 +74,38 @@ def _outside_share(steps: list[StepTime]) -> float:
     return max(0.0, wall - sum(s.forward_s for s in steps)) / wall if wall else 0.0
 
 
-def _floor(engine, batch: int, input_len: int, output_len: int) -> dict[str, Any]:
-    """Bytes a mean decode step must read and the floor they set at the bandwidth measured now."""
+def _floor(engine, batch: int, input_len: int, output_len: int, routed_bytes: float | None = None,
+           all_expert_bytes: int = 0) -> dict[str, Any]:
+    """Bytes a mean decode step must read and the floor they set at the bandwidth measured now. For a
+    MoE model, ``routed_bytes`` (the experts a decode step's tokens were routed to, from an eager run)
+    replaces the ``all_expert_bytes`` of every routed expert."""
     bandwidth = copy_bandwidth(engine.device, engine.backend.synchronize)
     weights = weight_bytes_read(engine.model)
+    moe = {}
+    if routed_bytes is not None:
+        weights = weights - all_expert_bytes + round(routed_bytes)
+        moe = {"expert_bytes_all": all_expert_bytes, "expert_bytes_routed_mean": round(routed_bytes)}
     per_token = engine.attention.bytes_per_block() * len(engine.runner.kv_caches) // engine.attention.block_size
     kv = decode_kv_bytes(per_token, batch, input_len, output_len)
     step_s = (weights + kv) / bandwidth
-    return {"copy_gbps": round(bandwidth / 1e9, 1), "weight_bytes": weights, "kv_bytes_mean": round(kv),
+    return {"copy_gbps": round(bandwidth / 1e9, 1), "weight_bytes": weights, "kv_bytes_mean": round(kv), **moe,
             "step_ms": round(step_s * 1e3, 4), "decode_tok_per_s": round(batch / step_s, 3)}
+
+
+def routed_expert_bytes(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int] | None:
+    """For a MoE model: the mean bytes of routed experts a decode step of these prompts reads (from one
+    more run, eager, so that the routing can be observed), and the bytes of all routed experts."""
+    engine = llm.engine
+    routed = RoutedExperts(engine.model)
+    if not routed:
+        return None
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        with routed:
+            run_batch(llm, prompts, params, "routing")
+    finally:
+        engine.runner.graphs = graphs
+    return routed.bytes_per_step(len(prompts)), routed.all_expert_bytes()
 
 
 def _measure(run: BatchRun, batch: int, input_len: int) -> dict[str, Any]:
@@ -111,11 +134,14 @@ def _measure(run: BatchRun, batch: int, input_len: int) -> dict[str, Any]:
 
 def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     """Load the model, warm up, run the measured batch ``--runs`` times and report the run of median
-    decode rate (what --json prints); with ``--peer hf``, then transformers on the same prompts."""
-    hf = open_model_dir(args.model).config
+    decode rate (what --json prints); with ``--peer hf``, then transformers on the same prompts.
+    With ``--load-format dummy`` both draw random weights on the device from config.json alone, each
+    its own: only speed compares."""
+    dummy = args.load_format == "dummy"
+    hf = open_model_dir(args.model, require_weights=not dummy).config
     llm = LLM(
-        args.model, device=args.device, dtype=args.dtype, profile_steps=args.profile, load_progress=False,
-        max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 1),
+        args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, load_progress=False,
+        profile_steps=args.profile, max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 1),
         num_threads=args.threads, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
     )
     engine = llm.engine
@@ -134,6 +160,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     report = {
         "model": str(args.model),
         "architecture": hf.architectures[0],
+        "load_format": args.load_format,
         "model_config": {
             "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
             "intermediate_size": hf.intermediate_size, "num_attention_heads": hf.num_attention_heads,
@@ -153,7 +180,8 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         **measured[median],
         "runs_decode_tok_per_s": [m["decode_tok_per_s"] for m in measured],
     }
-    floor = _floor(engine, B, I, O)
+    moe = routed_expert_bytes(llm, random_prompts(B, I, engine.vocab_size, args.seed + 100 * median), params)
+    floor = _floor(engine, B, I, O, *(moe or ()))
     report["floor"] = floor
     if report["decode_tok_per_s"]:
         report["floor_fraction"] = round(report["decode_tok_per_s"] / floor["decode_tok_per_s"], 4)
@@ -163,7 +191,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()
         prompts = random_prompts(B, I, hf.vocab_size, args.seed)
         try:
-            peer = run_hf(args.model, device, dtype, prompts, O, args.peer_runs, sync)
+            peer = run_hf(args.model, device, dtype, prompts, O, args.peer_runs, sync, dummy=dummy)
         except Exception as exc:  # the peer's failure is reported, ours still stands
             peer = {"mode": "failed", "error": f"{type(exc).__name__}: {exc}"[:500], "output_tok_per_s": None,
                     "decode_tok_per_s": None}
@@ -180,7 +208,7 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"model    {r['model']}: {r['architecture']}, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
         f"heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv, vocab {c['vocab_size']}, "
-        f"{c['num_parameters'] / 1e6:.1f}M parameters",
+        f"{c['num_parameters'] / 1e6:.1f}M parameters" + (", dummy weights" if r.get("load_format") == "dummy" else ""),
         f"backend  {r['backend']} ({r['device']}), {r['dtype']}, {r['threads']} threads",
         f"batch    {r['batch_size']} x {r['input_len']} input tokens -> {r['output_len']} output tokens each, "
         f"temperature {r['temperature']}, {r['warmup']} warm-up run(s)",
@@ -199,6 +227,9 @@ def render(r: dict[str, Any]) -> str:
     f = r["floor"]
     line = (f"floor    {f['step_ms']:.3f} ms a decode step = {f['decode_tok_per_s']:.1f} tok/s: "
             f"{f['weight_bytes'] / 1e9:.3f} GB weights + {f['kv_bytes_mean'] / 1e9:.3f} GB KV at {f['copy_gbps']:.0f} GB/s copy")
+    if "expert_bytes_routed_mean" in f:
+        line += (f" (weights count the routed experts' {f['expert_bytes_routed_mean'] / 1e9:.3f} GB a step, "
+                 f"of {f['expert_bytes_all'] / 1e9:.3f} GB of experts)")
     if "floor_fraction" in r:
         line += f"; this run {r['floor_fraction']:.1%} of it"
     lines.append(line)
@@ -212,6 +243,8 @@ def render(r: dict[str, Any]) -> str:
             line += f", decode {p['decode_tok_per_s']:.1f} tok/s ({p['floor_fraction']:.1%} of the floor)"
         if "speedup_over_peer" in r:
             line += f"; chitu/transformers decode {r['speedup_over_peer']:.2f}x"
+        if p.get("weights") == "own random":
+            line += "; weights differ (transformers drew its own): speed only"
         lines.append(line)
     return "\n".join(lines)
 
@@ -220,6 +253,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF model directory")
     parser.add_argument("--device", default="auto", help="backend name, or auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights drawn on the device from config.json alone (a directory from "
+                        "`random-model --config-only`); with --peer hf, transformers draws its own")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts in the batch (B)")
     parser.add_argument("--input-len", type=int, default=128, help="tokens per prompt (I)")
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (O)")

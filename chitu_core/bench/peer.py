@@ -4,6 +4,9 @@ Its fastest mode per batch size: at batch 1 a static KV cache, for which ``gener
 forward itself (``torch.compile`` fullgraph, mode "reduce-overhead": graph replay) on the devices
 transformers compiles for; at larger batches eager ``generate``. Greedy, exactly ``output_len`` tokens. The decode rate excludes
 the prefill: B * (O - 1) tokens over the time of generating O tokens less that of generating one.
+
+With ``dummy`` (``--load-format dummy``: config.json alone) transformers builds the model on the device with
+its own random initialization: its weights differ from ours, so only the speeds compare (the report says so).
 """
 
 import statistics
@@ -15,10 +18,15 @@ import torch
 
 
 def run_hf(model_dir, device: torch.device, dtype: torch.dtype, prompts: list[list[int]], output_len: int,
-           runs: int, synchronize: Callable[[], None], compile_batch_one: bool = True) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
+           runs: int, synchronize: Callable[[], None], compile_batch_one: bool = True,
+           dummy: bool = False) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    if dummy:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     batch = len(prompts)
     static = compile_batch_one and batch == 1
     if static:
@@ -50,6 +58,7 @@ def run_hf(model_dir, device: torch.device, dtype: torch.dtype, prompts: list[li
             else "eager generate, dynamic cache")
     return {
         "mode": mode,
+        "weights": "own random" if dummy else "checkpoint",
         "total_s": round(statistics.median(full), 6),
         "output_tok_per_s": round(batch * output_len / statistics.median(full), 3),
         "prefill_s": round(statistics.median(first), 6),

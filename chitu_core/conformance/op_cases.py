@@ -3,7 +3,8 @@
 Operands are fresh random values in the case's dtype, never zeros: sizes of 1, odd sizes, sizes on
 both sides of common kernel dispatch points (16, 1024, 4096 and their neighbours), and every
 tensor handed over in a guarded buffer (``guards``), contiguous or not. The sampling filters'
-cases keep every top-p and min-p boundary far from rounding, so that their masks are exact.
+cases keep every top-p and min-p boundary far from rounding, so that their masks are exact. The
+mixture-of-experts ops' cases live in ``moe_cases``.
 """
 
 import inspect
@@ -16,6 +17,7 @@ import torch
 from chitu_core.conformance.case import Case, Outcome, Target, nbytes, randn, raised, time_call
 from chitu_core.conformance.compare import Verdict, check_tensor, compare, compare_argmax, worst
 from chitu_core.conformance.guards import guard, poison_allocator
+from chitu_core.conformance.moe_cases import by_expert_id, fused_experts, fused_experts_full_size, moe_route
 from chitu_core.conformance.thresholds import OP_FAMILY
 from chitu_core.ops import reference
 from chitu_core.ops.spec import OP_NAMES, OpSet
@@ -27,8 +29,13 @@ FLOAT32_ONLY = frozenset({"apply_top_k_top_p", "apply_min_p", "apply_penalties",
 """Ops whose contract takes float32 operands: they have cases in the float32 column only."""
 FLOAT32_OUT = frozenset({"apply_temperature", "apply_top_k_top_p", "apply_min_p", "apply_penalties", "log_softmax"})
 INDEX_OUT = frozenset({"greedy_sample", "random_sample"})
-OUTPUT_NAMES = {"fused_add_rms_norm": ("out", "residual"), "rotary_embedding": ("q", "k")}
+OUT_DTYPES = {"moe_route": (torch.float32, torch.int64)}
+"""Ops whose outputs differ in dtype: one per output."""
+OUTPUT_NAMES = {"fused_add_rms_norm": ("out", "residual"), "rotary_embedding": ("q", "k"),
+                "moe_route": ("weights", "ids")}
 SCORES = {"greedy_sample": lambda logits: logits, "random_sample": lambda probs, exponentials: probs / exponentials}
+CANONICAL = {"moe_route": by_expert_id}
+"""Ops whose outputs have free parts (an order) the contract does not fix: both sides are put in one form first."""
 
 
 @dataclass
@@ -57,11 +64,12 @@ def run_op_case(op: str, spec: Spec, case: Case, target: Target) -> Outcome:
     host = [a.value if isinstance(a, In) else a for a in args]
     want = getattr(reference, op)(*map(_upcast, host), **kwargs)
     wants = want if isinstance(want, tuple) else (want,)
-    out_dtype = torch.int64 if op in INDEX_OUT else torch.float32 if op in FLOAT32_OUT else case.dtype
+    out_dtypes = OUT_DTYPES.get(op) or (torch.int64 if op in INDEX_OUT else torch.float32 if op in FLOAT32_OUT
+                                        else case.dtype,) * len(wants)
     guarded = [guard(a.value, target.device, a.layout) if isinstance(a, In) else None for a in args]
     call_args = [g.view if g is not None else a for g, a in zip(guarded, args)]
     impl = getattr(target.ops, op)
-    poison_allocator(target.device, [(w.numel(), out_dtype) for w in wants])
+    poison_allocator(target.device, [(w.numel(), d) for w, d in zip(wants, out_dtypes)])
     try:
         got = impl(*call_args, **kwargs)
     except Exception as exc:  # the backend's own failure is the case's result
@@ -73,12 +81,15 @@ def run_op_case(op: str, spec: Spec, case: Case, target: Target) -> Outcome:
     gots = got if isinstance(want, tuple) else (got,)
     if isinstance(want, tuple) and not (isinstance(got, tuple) and len(got) == len(want)):
         return Outcome(Verdict.fail(f"{op} returned {type(got).__name__}, the contract gives a tuple of {len(want)}"), source)
+    output_names = OUTPUT_NAMES.get(op, ("output",))
+    for g, w, dtype, name in zip(gots, wants, out_dtypes, output_names):
+        if problem := check_tensor(g, tuple(w.shape), dtype, target.device, name):
+            return Outcome(Verdict.fail(problem), source)
+    if op in CANONICAL:
+        gots, wants = CANONICAL[op](*gots), CANONICAL[op](*wants)
     threshold = target.threshold(case)
     verdicts = []
-    for i, (g, w) in enumerate(zip(gots, wants)):
-        name = OUTPUT_NAMES.get(op, ("output",))[i]
-        if problem := check_tensor(g, tuple(w.shape), out_dtype, target.device, name):
-            return Outcome(Verdict.fail(problem), source)
+    for g, w, name in zip(gots, wants, output_names):
         if op in SCORES:
             verdicts.append(compare_argmax(g, SCORES[op](*map(_upcast, host)), threshold, name))
         else:
@@ -305,12 +316,17 @@ def log_softmax(dtype) -> Iterator[Spec]:
 SPECS: dict[str, Callable[[torch.dtype], Iterator[Spec]]] = {name: globals()[name] for name in OP_NAMES}
 
 
-def op_cases(dtypes: tuple[torch.dtype, ...]) -> list[Case]:
+PERF_SPECS: dict[str, Callable[[torch.dtype], Iterator[Spec]]] = {"fused_experts": fused_experts_full_size}
+"""Full-size cases only perf mode runs (their float64 reference is costly)."""
+
+
+def op_cases(dtypes: tuple[torch.dtype, ...], perf: bool = False) -> list[Case]:
     cases = []
     for op in OP_NAMES:
         for dtype in dtypes:
             if op in FLOAT32_ONLY and dtype != torch.float32:
                 continue
-            for spec in SPECS[op](dtype):
+            specs = list(SPECS[op](dtype)) + (list(PERF_SPECS[op](dtype)) if perf and op in PERF_SPECS else [])
+            for spec in specs:
                 cases.append(Case(op, op, OP_FAMILY[op], dtype, spec.params, spec.label, partial(run_op_case, op, spec)))
     return cases

@@ -10,6 +10,7 @@ from chitu_core.conformance.attention_cases import attention_cases
 from chitu_core.conformance.case import Case, Outcome, PerfOptions, Target
 from chitu_core.conformance.collective_cases import collective_cases
 from chitu_core.conformance.compare import Verdict
+from chitu_core.conformance.mla_cases import mla_cases
 from chitu_core.conformance.model_cases import model_cases
 from chitu_core.conformance.op_cases import op_cases
 from chitu_core.conformance.quant_cases import quant_cases
@@ -59,8 +60,9 @@ def parse_dtypes(text: str) -> tuple[torch.dtype, ...]:
 
 def build_cases(target: Target, dtypes: tuple[torch.dtype, ...] = DTYPES, ops: str = "") -> list[Case]:
     """Every case for ``dtypes``, those whose row or op matches one of the comma-separated globs ``ops``."""
-    cases = (op_cases(dtypes) + attention_cases(target.backend, dtypes) + sampler_cases(dtypes)
-             + collective_cases(target.backend, dtypes) + quant_cases(target.backend, dtypes) + model_cases(dtypes))
+    cases = (op_cases(dtypes, perf=target.perf is not None) + attention_cases(target.backend, dtypes) + mla_cases(target.backend, dtypes)
+             + sampler_cases(dtypes) + collective_cases(target.backend, dtypes) + quant_cases(target.backend, dtypes)
+             + model_cases(dtypes))
     patterns = [p.strip() for p in ops.split(",") if p.strip()]
     if not patterns:
         return cases

@@ -94,6 +94,15 @@ FAMILIES: dict[str, Family] = {
                      _float32("exact")),
     "gather": Family("exact", ("embedding",), "rows are copied", _EXACT),
     "matmul": Family("nmse", ("linear",), "float32 accumulation, output rounded", _ACCUMULATED),
+    "route": Family("close", ("moe_route",), "ids exact and weights float32 by contract, the k entries of a row "
+                    "compared in id order; softmax or sigmoid, a sum and a division in float32; cases keep every "
+                    "top-k and group boundary far from rounding",
+                    _per_dtype("close", *[dict(rtol=1e-5, atol=1e-7)] * 3)),
+    "experts": Family("nmse", ("fused_experts",), "two GEMMs with float32 accumulation; the activation rounded to "
+                      "the dtype between them (unfused, the GEMM outputs too), the weighted sum of a token's slots "
+                      "in float32, output rounded: up to five roundings where a linear has one",
+                      _per_dtype("nmse", dict(limit=1e-9, rtol=1e-4), dict(limit=1e-4, rtol=3e-2),
+                                 dict(limit=1e-5, rtol=4e-3))),
     "quant": Family("nmse", ("quant/*",), "each declared method against itself on reference ops in float64",
                     _ACCUMULATED),
     "attention": Family("nmse", ("attention/*",), "paged attention against dense float64 attention; cache writes "

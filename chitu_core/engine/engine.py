@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from chitu_core.attention.contract import PagedKVBackend
+from chitu_core.attention.mla import ReferenceMLAAttention
 from chitu_core.attention.reference import ReferenceAttention
 from chitu_core.config import EngineConfig
 from chitu_core.distributed.communicator import Communicator
@@ -27,8 +29,10 @@ from chitu_core.engine.sequence import Request, Sequence
 from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext
 from chitu_core.layers.layout import store_linear_weights_transposed
+from chitu_core.loader.dummy import fill_dummy_weights
 from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
+from chitu_core.model import KVGeometry
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
 from chitu_core.sampling.params import SamplingParams
 from chitu_core.sampling.sampler import Sampler
@@ -44,6 +48,18 @@ def _resolve_dtype(requested: str, checkpoint: torch.dtype | None, supported: tu
             raise ChituError(f"backend {backend!r} does not support dtype {requested}; it supports {names}")
         return dtype
     return checkpoint if checkpoint in supported else supported[0]
+
+
+def build_attention(backend, geometry: KVGeometry, block_size: int | None, dtype: torch.dtype,
+                    device: torch.device) -> PagedKVBackend:
+    """The backend's default attention of the geometry's kind (regular or latent), or the core's
+    reference where the backend declares none."""
+    if geometry.is_mla:
+        cls = next(iter(backend.mla_attention_backends().values()), ReferenceMLAAttention)
+        return cls(geometry.num_heads, geometry.kv_lora_rank, geometry.rope_dim,
+                   block_size or cls.block_sizes[0], dtype, device)
+    cls = next(iter(backend.attention_backends().values()), ReferenceAttention)
+    return cls(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, block_size or cls.block_sizes[0], dtype, device)
 
 
 @dataclass
@@ -76,19 +92,21 @@ class LLMEngine:
         self.device = self.backend.device(self.device_index)
         self.backend.set_device(self.device_index)
         self.ops = backend_ops(self.backend)
-        model_dir = open_model_dir(resolve_model(config.model))
+        model_dir = open_model_dir(resolve_model(config.model), require_weights=config.load_format == "auto")
         hf_config = model_dir.config
         model_cls = load_model_class(model_dir.architecture)
         self.dtype = _resolve_dtype(config.dtype, model_dir.config_dtype(), self.backend.supported_dtypes(), self.backend.name)
         self.comm = Communicator.from_env(self.backend.process_group_backend())
 
         geometry = model_cls.kv_geometry(hf_config, self.comm.world_size)
-        attention_cls = next(iter(self.backend.attention_backends().values()), ReferenceAttention)
-        block_size = config.block_size or attention_cls.block_sizes[0]
-        self.attention = attention_cls(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, block_size, self.dtype, self.device)
+        self.attention = build_attention(self.backend, geometry, config.block_size, self.dtype, self.device)
+        block_size = self.attention.block_size
         ctx = BuildContext(self.ops, self.attention, self.comm, self.dtype, self.device)
         self.model = model_cls(hf_config, ctx)
-        self.model.load_weights(model_dir.iter_weights(progress=config.load_progress))
+        if config.load_format == "dummy":
+            fill_dummy_weights(self.model, config.seed)
+        else:
+            self.model.load_weights(model_dir.iter_weights(progress=config.load_progress))
         self.model.eval()
         if self.backend.transposed_linear_weights():
             store_linear_weights_transposed(self.model)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.attention.mla import MLAAttentionBackend
 from chitu_core.distributed.communicator import Communicator
 from chitu_core.ops.table import Ops
 from chitu_core.quantization import QuantMethod, get_quant_method
@@ -16,7 +17,7 @@ class BuildContext:
     tensor-parallel communicator, and the weights' dtype, device and quantization method."""
 
     ops: Ops
-    attention: AttentionBackend
+    attention: AttentionBackend | MLAAttentionBackend  # the kind the model's KVGeometry asked for
     comm: Communicator
     dtype: torch.dtype
     device: torch.device

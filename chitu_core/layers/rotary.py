@@ -2,7 +2,9 @@
 
 Scaling types, as transformers defines them: "default", "linear" (positions
 divided by factor), "dynamic" (NTK-aware: the base grows once a position passes
-the original context), "llama3" (Llama 3.1's frequency-band interpolation).
+the original context), "llama3" (Llama 3.1's frequency-band interpolation),
+"yarn" (YaRN: a linear ramp between interpolated and original frequencies, and an
+attention factor multiplied into cos and sin; DeepSeek-V2/V3, Qwen long context).
 Both config.json spellings are read: ``rope_parameters`` (transformers >= 5)
 and ``rope_theta`` + ``rope_scaling`` (earlier releases).
 """
@@ -16,7 +18,7 @@ from torch import nn
 from chitu_core.errors import ModelLoadError
 from chitu_core.layers.context import BuildContext
 
-SUPPORTED = ("default", "linear", "dynamic", "llama3")
+SUPPORTED = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,23 @@ class RopeConfig:
             return int(max_position_embeddings * self.params["factor"])
         return max_position_embeddings
 
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor; 1 for the other types)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        p = self.params
+        if p.get("attention_factor") is not None:
+            return float(p["attention_factor"])
+        if p.get("mscale") and p.get("mscale_all_dim"):  # DeepSeek's spelling
+            return yarn_mscale(p["factor"], p["mscale"]) / yarn_mscale(p["factor"], p["mscale_all_dim"])
+        return yarn_mscale(p["factor"])
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context extended ``factor`` times (transformers' get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
 
 def rope_config(hf_config) -> RopeConfig:
     """Normalize an HF config's RoPE settings, whichever transformers version wrote them."""
@@ -43,6 +62,14 @@ def rope_config(hf_config) -> RopeConfig:
     partial = params.pop("partial_rotary_factor", None) or getattr(hf_config, "partial_rotary_factor", None) or 1.0
     if rope_type not in SUPPORTED:
         raise ModelLoadError(f"RoPE scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    if rope_type == "yarn":
+        # As transformers: a config-level original_max_position_embeddings wins (Phi-3), the context
+        # length is the fallback, and a missing factor is the ratio of the two.
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        original = original or params.get("original_max_position_embeddings") or hf_config.max_position_embeddings
+        params["original_max_position_embeddings"] = original
+        if params.get("factor") is None:
+            params["factor"] = hf_config.max_position_embeddings / original
     return RopeConfig(rope_type, float(theta), params, float(partial))
 
 
@@ -62,6 +89,8 @@ def inv_freq_table(rope: RopeConfig, rot_dim: int, num_positions: int, max_posit
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(rope, rot_dim)
     table = inv_freq.expand(num_positions, -1).clone()
     if rope.rope_type == "dynamic":
         # A position past the original context uses the base transformers computes for a
@@ -73,8 +102,32 @@ def inv_freq_table(rope: RopeConfig, rot_dim: int, num_positions: int, max_posit
     return table
 
 
+def _yarn_inv_freq(rope: RopeConfig, rot_dim: int) -> torch.Tensor:
+    """YaRN: original frequencies for dimensions that turn more than beta_fast times over the original
+    context, interpolated ones (divided by factor) for those turning fewer than beta_slow times, and a
+    linear ramp between; float32 in transformers' order of operations."""
+    p = rope.params
+    factor, original = p["factor"], p["original_max_position_embeddings"]
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return rot_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # weight of the original frequency
+    pos_freqs = rope.theta ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 class RotaryEmbedding(nn.Module):
-    """Holds the float32 [max_positions, rot_dim] cos|sin table and applies ``ops.rotary_embedding``."""
+    """Holds the float32 [max_positions, rot_dim] cos|sin table (times the rope's attention factor) and
+    applies ``ops.rotary_embedding``; ``is_neox`` False rotates interleaved pairs (2i, 2i+1)."""
 
     def __init__(self, head_dim: int, max_position_embeddings: int, rope: RopeConfig, ctx: BuildContext, is_neox: bool = True):
         super().__init__()
@@ -83,7 +136,7 @@ class RotaryEmbedding(nn.Module):
         positions = rope.max_positions(max_position_embeddings)
         inv_freq = inv_freq_table(rope, rot_dim, positions, max_position_embeddings)
         freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope.attention_factor
         self.register_buffer("cos_sin_cache", cache.to(ctx.device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -93,12 +93,15 @@ def _weight_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {path} (only safetensors checkpoints are supported)")
+        raise ModelLoadError(f"no *.safetensors weights in {path} (only safetensors checkpoints are supported; "
+                             "load_format='dummy' runs random weights from config.json alone)")
     return files
 
 
-def open_model_dir(path: str | Path) -> HFModelDir:
-    """Read config.json and find the weight files; nothing heavy is loaded yet."""
+def open_model_dir(path: str | Path, require_weights: bool = True) -> HFModelDir:
+    """Read config.json and find the weight files; nothing heavy is loaded yet. With
+    ``require_weights=False`` (load_format "dummy") config.json alone is enough: weight files are
+    neither looked for nor checked, and ``weight_files`` is empty."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} is not a directory; pass an HF model directory (config.json + *.safetensors)")
@@ -110,6 +113,8 @@ def open_model_dir(path: str | Path) -> HFModelDir:
         config = AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"transformers cannot read {path / 'config.json'}: {exc}") from None
+    if not require_weights:
+        return HFModelDir(path, config, [])
     files = _weight_files(path)
     for f in files:
         read_header(f)

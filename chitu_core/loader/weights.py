@@ -22,11 +22,7 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     for ckpt_name, tensor in weights:
         if model.skip_weight(ckpt_name) or ckpt_name in tied_aliases:
             continue
-        name, shard_id = ckpt_name, None
-        for fused, part, sid in model.stacked_params:
-            if part in ckpt_name:
-                name, shard_id = ckpt_name.replace(part, fused), sid
-                break
+        name, shard_id = model.map_weight_name(ckpt_name)
         param = params.get(name)
         if param is None:
             unexpected.append(ckpt_name)
@@ -50,10 +46,7 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     ]
     if missing:
         raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}")
-    for module in model.modules():
-        quant = getattr(module, "quant", None)
-        if quant is not None:
-            quant.process_weights_after_loading(module)
+    model.process_weights_after_loading()
 
 
 def _tied_aliases(model, params: dict) -> set[str]:
@@ -63,7 +56,9 @@ def _tied_aliases(model, params: dict) -> set[str]:
 
 
 def _checkpoint_name(model, name: str, shard_id) -> str:
+    """The checkpoint name that would load (name, shard_id): stacked_params inverted, else the
+    parameter's own name with its shard id (e.g. "…experts.w13 [ExpertShard(expert=3, part='up')]")."""
     for fused, part, sid in model.stacked_params:
         if fused in name and sid == shard_id:
             return name.replace(fused, part)
-    return name
+    return name if shard_id is None else f"{name} [{shard_id!r}]"

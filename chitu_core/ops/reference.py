@@ -116,3 +116,53 @@ def random_sample(probs: Tensor, exponentials: Tensor) -> Tensor:
 
 def log_softmax(logits: Tensor) -> Tensor:
     return torch.log_softmax(logits.to(_acc_dtype(logits)), dim=-1)
+
+
+# --- contract 1.1: mixture of experts ------------------------------------------------------------
+
+
+def moe_route(
+    router_logits: Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False,
+    correction_bias: Tensor | None = None, num_groups: int = 1, topk_groups: int = 1,
+    group_score: str = "max", scaling: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    logits = router_logits.to(_acc_dtype(router_logits))
+    if scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"moe_route: scoring {scoring!r} is not 'softmax' or 'sigmoid'")
+    choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype)
+    if num_groups > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, num_groups, e // num_groups)
+        if group_score == "max":
+            group_scores = grouped.amax(dim=-1)
+        elif group_score == "top2_sum":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            raise ValueError(f"moe_route: group_score {group_score!r} is not 'max' or 'top2_sum'")
+        best = group_scores.topk(topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // num_groups, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scaling, ids
+
+
+def fused_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                  activation: str = "silu") -> Tensor:
+    act = {"silu": silu_and_mul, "gelu": gelu_and_mul}.get(activation)
+    if act is None:
+        raise ValueError(f"fused_experts: activation {activation!r} is not 'silu' or 'gelu'")
+    acc = _acc_dtype(x)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=acc, device=x.device)
+    for expert in topk_ids[topk_ids >= 0].unique().tolist():  # the reference may loop; backends must not
+        rows, slots = (topk_ids == expert).nonzero(as_tuple=True)
+        hidden = act(linear(x[rows], w13[expert], None))
+        y = linear(hidden, w2[expert], None).to(acc)
+        out.index_add_(0, rows, y * topk_weights[rows, slots, None].to(acc))
+    return out.to(x.dtype)

@@ -104,6 +104,52 @@ class OpSet(Protocol):
     def log_softmax(self, logits: Tensor) -> Tensor:
         """logits: [B, V]. Returns float32 log-probabilities over the last dimension."""
 
+    # --- contract 1.1: mixture of experts ---------------------------------------------------------
+
+    def moe_route(
+        self,
+        router_logits: Tensor,
+        top_k: int,
+        scoring: str = "softmax",
+        renormalize: bool = False,
+        correction_bias: Tensor | None = None,
+        num_groups: int = 1,
+        topk_groups: int = 1,
+        group_score: str = "max",
+        scaling: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:
+        """Choose top_k of E experts for each of T tokens. Returns (weights float32 [T, top_k],
+        ids int64 [T, top_k]); the k entries of a row may come in any order (weights follow ids).
+
+        router_logits: [T, E] in any float dtype; everything is computed in (at least) float32.
+        scores = softmax(logits) over E (scoring "softmax") or sigmoid(logits) ("sigmoid").
+        choice = scores + correction_bias (float32 [E], DeepSeek-V3's e_score_correction_bias) if
+        given, else scores. Grouped routing (num_groups > 1): the E experts form num_groups
+        contiguous groups; a group's score is the max of its choices ("max", DeepSeek-V2) or the
+        sum of its two largest ("top2_sum", DeepSeek-V3); only experts of the topk_groups best
+        groups may be chosen. ids are the top_k experts by choice; weights are their *scores*
+        (without the bias), divided by their sum if renormalize, then multiplied by scaling."""
+
+    def fused_experts(
+        self,
+        x: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        activation: str = "silu",
+    ) -> Tensor:
+        """The routed experts of a MoE layer, weighted and summed.
+
+        x: [T, H]; w13: [E, 2I, H], each expert's gate rows then its up rows; w2: [E, H, I];
+        topk_weights: float32 [T, k]; topk_ids: int64 [T, k], in [0, E) or negative (a slot
+        routed to no expert held here: it contributes nothing, as expert parallelism needs).
+        Returns [T, H] in x.dtype: for each token, sum over its slots j of
+        ``topk_weights[j] * (w2[e_j] @ act_and_mul(w13[e_j] @ x))``, where act_and_mul is the op
+        ``silu_and_mul`` (activation "silu") or ``gelu_and_mul`` ("gelu"). The activation's result
+        is rounded to x.dtype, as the unfused ops would round it; the down projection, the weighting
+        and the sum over slots may accumulate in float32."""
+
 
 OP_NAMES: tuple[str, ...] = tuple(
     name for name in OpSet.__dict__ if not name.startswith("_") and callable(OpSet.__dict__[name])

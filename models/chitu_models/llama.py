@@ -1,8 +1,11 @@
 """Llama family: Llama 2/3/3.1/3.2 (llama3 RoPE scaling, tied embeddings), SmolLM2, Mistral.
 
 The decoder is parameterised by the few places the family differs (biases,
-per-head q/k norm), so Qwen models reuse it (see qwen.py).
+per-head q/k norm, the MLP of each layer), so Qwen and the MoE models reuse it
+(see qwen.py, mixtral.py, qwen_moe.py).
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,10 +56,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config, ctx: BuildContext):
+    def __init__(self, config, ctx: BuildContext, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], ctx, bias=bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, ctx, bias=bias)
         act = getattr(config, "hidden_act", "silu")
@@ -70,10 +73,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, ctx: BuildContext, **attn_opts):
+    """Pre-norm decoder layer around a given attention module (regular or latent) and MLP (dense or MoE)."""
+
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, ctx: BuildContext):
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_idx, rotary, ctx, **attn_opts)
-        self.mlp = DecoderMLP(config, ctx)
+        self.self_attn, self.mlp = self_attn, mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
@@ -88,13 +92,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, ctx: BuildContext, **attn_opts):
+    """Embedding, ``config.num_hidden_layers`` layers made by ``build_layer(layer_idx)`` around one shared
+    rotary table, and the final norm."""
+
+    def __init__(self, config, ctx: BuildContext, rotary: RotaryEmbedding, build_layer: Callable[[int], DecoderLayer]):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.rotary = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_config(config), ctx)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary, ctx, **attn_opts) for i in range(config.num_hidden_layers)
-        )
+        self.rotary = rotary
+        self.layers = nn.ModuleList(build_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
     def forward(self, token_ids, positions, step):
@@ -117,7 +122,10 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config, ctx: BuildContext):
         super().__init__()
-        self.model = DecoderModel(config, ctx, **self.attention_options(config))
+        rotary = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_config(config), ctx)
+        opts = self.attention_options(config)
+        self.model = DecoderModel(config, ctx, rotary, lambda i: DecoderLayer(
+            config, DecoderAttention(config, i, rotary, ctx, **opts), self.build_mlp(config, i, ctx), ctx))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, ctx)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie(self.model.embed_tokens)
@@ -126,6 +134,11 @@ class LlamaForCausalLM(CausalLM):
     def attention_options(cls, config) -> dict:
         bias = getattr(config, "attention_bias", False)
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    @classmethod
+    def build_mlp(cls, config, layer_idx: int, ctx: BuildContext) -> nn.Module:
+        """The MLP of layer ``layer_idx``: forward(x [T, H]) -> [T, H], summed over ranks."""
+        return DecoderMLP(config, ctx)
 
     @classmethod
     def kv_geometry(cls, config, tp_size: int) -> KVGeometry:

@@ -9,6 +9,9 @@ One module per kernel family, each a launcher that matches its contract op exact
   kv_cache.py         the KV-cache write (slot_mapping scatter)
   paged_attention.py  paged attention for mixed prefill/decode batches, with split-KV decode
   attention.py        ``TritonPagedAttention``, the AttentionBackend over the two above
+  moe.py              moe_route (one program per token) and fused_experts (grouped GEMMs over
+                      expert-sorted slots, or per-slot matrix-vector products for decode)
+  moe_align.py        fused_experts' sort of token slots by expert, padded to the GEMM's block rows
   ops.py              ``TRITON_OPS``: the op-contract names these kernels serve
 
 Importing this package does not import triton; importing any module above does.

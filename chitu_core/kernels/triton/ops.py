@@ -6,6 +6,7 @@ sampling other than greedy) are the backend's own choice or the reference's.
 
 from chitu_core.kernels.triton.activation import gelu_and_mul, silu_and_mul
 from chitu_core.kernels.triton.argmax import greedy_sample
+from chitu_core.kernels.triton.moe import fused_experts, moe_route
 from chitu_core.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from chitu_core.kernels.triton.rotary import rotary_embedding
 
@@ -16,4 +17,6 @@ TRITON_OPS = {
     "silu_and_mul": silu_and_mul,
     "gelu_and_mul": gelu_and_mul,
     "greedy_sample": greedy_sample,
+    "moe_route": moe_route,
+    "fused_experts": fused_experts,
 }

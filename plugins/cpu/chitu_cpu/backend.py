@@ -8,12 +8,13 @@ import torch
 from chitu_core.backend import Availability, Backend, MemoryInfo, host_memory_info
 from chitu_cpu import ops
 from chitu_cpu.attention import CpuSdpaAttention
+from chitu_cpu.mla import CpuSdpaMLAAttention
 
 
 class CpuBackend(Backend):
     name = "cpu"
     device_type = "cpu"
-    contract_version = "1.0"
+    contract_version = "1.1"
     priority = 0  # any accelerator backend should win under device="auto"
 
     def is_available(self) -> Availability:
@@ -41,6 +42,9 @@ class CpuBackend(Backend):
 
     def attention_backends(self):
         return {CpuSdpaAttention.name: CpuSdpaAttention}
+
+    def mla_attention_backends(self):
+        return {CpuSdpaMLAAttention.name: CpuSdpaMLAAttention}
 
     def process_group_backend(self) -> str:
         return "gloo"

@@ -3,6 +3,9 @@
 import torch
 import torch.nn.functional as F
 
+from chitu_core.ops import reference
+from chitu_cpu.moe import fused_experts
+
 Tensor = torch.Tensor
 
 
@@ -93,4 +96,6 @@ NATIVE_OPS = {
     "apply_top_k_top_p": apply_top_k_top_p,
     "apply_penalties": apply_penalties,
     "log_softmax": log_softmax,
+    "moe_route": reference.moe_route,  # whole-tensor ops in float32 already: what the CPU would run
+    "fused_experts": fused_experts,
 }

@@ -26,7 +26,7 @@ def _triton_installed() -> bool:
 class NvidiaBackend(Backend):
     name = "nvidia"
     device_type = "cuda"
-    contract_version = "1.0"
+    contract_version = "1.1"
     priority = 100
 
     def is_available(self) -> Availability:
@@ -70,6 +70,13 @@ class NvidiaBackend(Backend):
         from chitu_nvidia.attention import NvidiaTritonAttention
 
         return {NvidiaTritonAttention.name: NvidiaTritonAttention}
+
+    def mla_attention_backends(self):
+        if not _triton_installed():
+            return {}
+        from chitu_nvidia.attention import NvidiaTritonMLAAttention
+
+        return {NvidiaTritonMLAAttention.name: NvidiaTritonMLAAttention}
 
     def process_group_backend(self) -> str:
         return "nccl"

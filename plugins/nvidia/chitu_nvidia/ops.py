@@ -3,7 +3,8 @@ where the contract has one, PyTorch's CUDA kernels for the rest that are worth i
 
 linear goes to cuBLAS, or to cuBLASLt for the batch sizes where its kernels are faster;
 log_softmax is the reference's own PyTorch call, already the vendor kernel on CUDA tensors. greedy_sample is the Triton
-two-pass argmax (torch's gives each row to one block: 28 us for 128256 logits on an H200). Sampling
+two-pass argmax (torch's gives each row to one block: 28 us for 128256 logits on an H200); moe_route and
+fused_experts are the Triton MoE kernels. Sampling
 filters and penalties stay reference fallbacks until on-device sampling kernels land.
 """
 

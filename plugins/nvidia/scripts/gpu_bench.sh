@@ -6,7 +6,9 @@
 # batch 1 and 64, against transformers), smollm (SmolLM2-135M config, batch 1), check (kernels,
 # model against transformers, profile: gpu_check.py), profile (kernels of decode steps: PROFILES
 # "model:batch ..." of the models bench8b/smollm made), serve (bench serve on a live server, engine in a
-# process and in a thread, SERVE_MODES picks; then the offline run of the same batch).
+# process and in a thread, SERVE_MODES picks; then the offline run of the same batch), moecheck (MoE and MLA
+# kernels, the five MoE/MLA architectures against transformers, their conformance rows), moe (full-size MoE configs
+# with dummy weights, MOE_BENCH "config:batch ..."; PEER=hf compares transformers on its own random weights).
 # Commit what $OUT holds under docs/benchmarks/<machine>/ and make the page from it:
 #   python -m chitu_core.bench report docs/benchmarks/<machine> > docs/benchmarks/<machine>.md
 set -uo pipefail
@@ -55,6 +57,16 @@ for step in "$@"; do
              python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print(sys.argv[2], {k: v for k, v in x.items() if not isinstance(v, (list, dict))})" "$OUT/serve-$mode.json" $mode
            done
            bench llama8b-b64-total --model /tmp/llama8b --batch-size 64 --peer none ;;
+    moecheck) for script in moe_check mla_check moe_models_check; do
+                OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/$script.py" || echo "$script failed: $?"
+              done
+              python3 -m chitu_core.conformance --backend nvidia --ops 'moe*,fused*,mla*' --dtypes bfloat16,float32 \
+                --format md --quiet > "$OUT/conformance-moe.md"; tail -12 "$OUT/conformance-moe.md" ;;
+    moe) for spec in ${MOE_BENCH:-deepseek-v2-lite:1 deepseek-v2-lite:32 qwen3-30b-a3b:1 qwen3-30b-a3b:64 mixtral-8x7b:1 mixtral-8x7b:64}; do
+           name=${spec%%:*}; b=${spec##*:}
+           [ -d /tmp/$name ] || python3 -m chitu_core.bench random-model --like $name --config-only --out /tmp/$name
+           bench $name-b$b --model /tmp/$name --batch-size $b --load-format dummy --dtype bfloat16
+         done ;;
     check) OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/gpu_check.py" environment build_model model_vs_transformers profile ;;
     profile) for spec in ${PROFILES:-smollm:1 llama8b:1 llama8b:64}; do  # model:batch, models made by the steps above
                python3 "$ROOT/plugins/nvidia/scripts/profile_step.py" --model /tmp/${spec%%:*} --batch-size ${spec##*:} \

@@ -22,10 +22,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=20, help="kernels listed")
     parser.add_argument("--out", help="also write the table here")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights, config.json alone")
     args = parser.parse_args()
     b, n = args.batch_size, args.steps
     engine = LLM(args.model, device="nvidia", dtype="bfloat16", max_model_len=512, max_num_seqs=max(b, 1),
-                 load_progress=False).engine
+                 load_progress=False, load_format=args.load_format).engine
     for i, p in enumerate(random_prompts(b, 128, engine.vocab_size, 3)):
         engine.add_request(f"p{i}", p, SamplingParams(max_tokens=3 * n + 20, temperature=0.0, ignore_eos=True))
     for _ in range(10):  # prefill and the first decode steps

@@ -1,0 +1,85 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), in the absorbed form the MLA contract runs.
+
+Checkpoint parameters keep their names and shapes. The query comes from ``q_proj``, or from
+``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` where the config has a q_lora_rank; each head's
+query is qk_nope_head_dim channels without position, then qk_rope_head_dim (R) rotated ones.
+``kv_a_proj_with_mqa`` makes, per token, the compressed KV (kv_lora_rank L channels, normed by
+``kv_a_layernorm``) and one rotary key (R channels) shared by all heads; together they are the latent
+the cache holds. ``kv_b_proj`` ([H * (nope + v), L]) holds, per head, the key up-projection W_UK
+(its first nope rows) and the value up-projection W_UV (the v after).
+
+Absorption: q_nope . (W_UK c) = (q_nope W_UK) . c, so each head's query is taken into the latent
+space (q_latent = q_nope @ W_UK, [H, nope] x [nope, L]) and attends over the cached latents directly;
+the output, a mix of latents, is brought back with W_UV ([H, L] x [L, v]) before ``o_proj``. The two
+matrices are split out of kv_b_proj once, after loading (``process_weights_after_loading``).
+
+Tensor parallelism splits heads: the query projection and kv_b_proj by output rows, o_proj by input
+columns; kv_a_proj_with_mqa and the latent are the same on every rank.
+"""
+
+import torch
+from torch import nn
+
+from chitu_core.errors import ModelLoadError
+from chitu_core.layers.context import BuildContext, StepContext
+from chitu_core.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from chitu_core.layers.norm import RMSNorm
+from chitu_core.layers.rotary import RotaryEmbedding
+from chitu_core.quantization.base import UnquantizedMethod
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """hidden [T, hidden_size] -> [T, hidden_size]; ``rotary`` is R wide (its is_neox the checkpoint's
+    pair layout), ``scale`` the softmax scale (qk_head_dim**-0.5, times YaRN's mscale**2 where the
+    config says so: the model's business, as transformers computes it)."""
+
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, scale: float, ctx: BuildContext):
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        if heads % ctx.tp_size:
+            raise ModelLoadError(f"num_attention_heads={heads} is not divisible by the tensor-parallel size {ctx.tp_size}")
+        self.num_heads = heads // ctx.tp_size
+        qk_dim, bias = self.nope + self.rope_dim, getattr(config, "attention_bias", False)
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk_dim, ctx)
+        else:
+            self.q_a_proj = LinearBase(hidden, self.q_lora_rank, bias, ctx)  # replicated
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, ctx)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_dim, ctx)
+        self.kv_a_proj_with_mqa = LinearBase(hidden, self.kv_lora_rank + self.rope_dim, bias, ctx)  # replicated
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, ctx)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_dim), ctx)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, ctx, bias=bias)
+        self.rotary, self.scale, self.layer_idx, self.attention = rotary, scale, layer_idx, ctx.attention
+        self.register_buffer("w_uk", None, persistent=False)  # [H, nope, L], by process_weights_after_loading
+        self.register_buffer("w_uv", None, persistent=False)  # [H, L, v]
+
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj's weight into per-head W_UK [H, nope, L] and W_UV [H, L, v], contiguous."""
+        if not isinstance(self.kv_b_proj.quant, UnquantizedMethod):
+            raise ModelLoadError(f"multi-head latent attention needs kv_b_proj unquantized to absorb it; "
+                                 f"{self.kv_b_proj.quant.name!r} kv_b_proj is not supported yet")
+        w = self.kv_b_proj.weight.detach().reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.nope].contiguous()
+        self.w_uv = w[:, self.nope :].transpose(1, 2).contiguous()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        if self.w_uk is None:
+            raise RuntimeError("MultiHeadLatentAttention ran before its process_weights_after_loading split kv_b_proj; "
+                               "call the model's process_weights_after_loading() once its weights are in place")
+        t, h, r, lora = x.shape[0], self.num_heads, self.rope_dim, self.kv_lora_rank
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(t, h, self.nope + r).split([self.nope, r], dim=-1)
+        compressed, k_pe = self.kv_a_proj_with_mqa(x).split([lora, r], dim=-1)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(t, 1, r))
+        # The per-head products are batched matmuls over heads; no op in the contract is one, and
+        # torch.bmm runs on every backend's torch device.
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
+        latent = torch.cat((self.kv_a_layernorm(compressed), k_pe.view(t, r)), dim=-1)  # [T, L + R]
+        out = self.attention.forward(torch.cat((q_latent, q_pe), dim=-1), latent,
+                                     step.kv_caches[self.layer_idx], step.meta, self.scale)  # [T, H, L]
+        out = torch.bmm(out.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(out.reshape(t, h * self.v_dim))

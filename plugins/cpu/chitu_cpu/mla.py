@@ -1,0 +1,50 @@
+"""Multi-head latent attention on the CPU with PyTorch's scaled_dot_product_attention.
+
+Layout: [num_blocks, block_size, L + R], one latent row per token (L = kv_lora_rank channels,
+then R = rope_dim). Each layer writes its new latents, gathers every sequence's latents through
+its block table into [B, max_seq_len, L + R], and runs one SDPA call for the whole batch with
+the gathered latents as both key and value: the output's first L channels are the contract's
+(value = the latents' first L channels) and the last R are dropped. A value narrower than the
+key would send SDPA to its unfused math path; the shared tensor keeps its fused CPU kernel.
+
+Decode-only steps fold the heads into the query rows of the one shared key "head" ([B, 1, H,
+L + R] against [B, 1, S, L + R]): every key is read once per sequence, not once per head. Other
+steps broadcast the key over the heads (a stride-0 expand, no copy), so that the causal mask
+[B, 1, max_query_len, S] is shared by every head.
+"""
+
+import torch.nn.functional as F
+
+from chitu_core.attention.contract import AttentionMetadata
+from chitu_core.attention.mla import MLAAttentionBackend, gather_latents, write_latent
+from chitu_core.attention.reference import causal_mask, packed_to_padded_index
+from chitu_cpu.attention import CpuStepState
+
+
+class CpuSdpaMLAAttention(MLAAttentionBackend):
+    """The CPU's MLA backend; cache [num_blocks, block_size, kv_lora_rank + rope_dim] (see the module)."""
+
+    name = "sdpa-mla"
+    block_sizes = (16, 1, 8, 32, 64, 128)
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.latent_dim)
+
+    def prepare(self, meta: AttentionMetadata) -> CpuStepState:
+        seq_idx, pos = packed_to_padded_index(meta)
+        return CpuStepState(seq_idx, pos, causal_mask(meta)[:, None])
+
+    def forward(self, q, latent, kv_cache, meta, scale):
+        state: CpuStepState = meta.backend_state
+        write_latent(kv_cache, latent, meta.slot_mapping)
+        keys = gather_latents(kv_cache, meta)[:, None]  # [B, 1, S, L + R]
+        b, h, d = meta.num_seqs, q.shape[1], q.shape[2]
+        q_pad = q.new_zeros(b, meta.max_query_len, h, d)
+        q_pad[state.seq_idx, state.pos] = q
+        if meta.max_query_len == 1:  # q_pad [B, 1, H, L + R] read as one shared head with H query rows
+            out = F.scaled_dot_product_attention(q_pad, keys, keys, attn_mask=state.mask, scale=scale)
+        else:
+            keys = keys.expand(b, h, -1, -1)
+            out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, keys, attn_mask=state.mask,
+                                                 scale=scale).transpose(1, 2)  # [B, max_q, H, L + R]
+        return out[..., : self.kv_lora_rank][state.seq_idx, state.pos]

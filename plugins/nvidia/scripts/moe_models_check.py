@@ -1,0 +1,184 @@
+"""GPU check of the MoE and MLA architectures against transformers, in one run.
+
+For each architecture (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, DeepSeek-V3) a small random
+config of its own kind is made on the GPU in float32 with transformers (``from_config``) and saved;
+then, on those same weights:
+
+  (a) ours in bfloat16 (LLM(device="nvidia")) against transformers in float32: last-token logits
+      NMSE of four prompts, to be no worse than transformers' own bfloat16 against its float32;
+  (b) 64 greedy tokens of each prompt, ours (bf16) against transformers (float32): equal, or the
+      first divergence falls on a near-tie (transformers' float32 top-2 gap there within two bf16
+      ulps of the top logit);
+  (c) batching: a prompt's 64 greedy tokens alone and inside a batch of 16 mixed-length prompts, in float32
+      (equal) and in bfloat16 (reported: the equal prefix; other batch shapes round differently).
+
+Run on the lent machine from the repository root, after installing as gpu_bench.sh does:
+    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/moe_models_check.py [ARCH ...]
+Writes moe_models_check.json under $OUT; prints a table last.
+"""
+
+import gc
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEV = torch.device("cuda")
+OUT = Path(os.environ.get("OUT", "."))
+VOCAB, STEPS = 2048, 64
+COMMON = dict(vocab_size=VOCAB, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+              max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+CONFIGS = {
+    "mixtral": dict(COMMON, num_key_value_heads=2, intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(COMMON, num_key_value_heads=4, intermediate_size=1024, num_experts=16, num_experts_per_tok=4,
+                      moe_intermediate_size=256, shared_expert_intermediate_size=512, norm_topk_prob=False,
+                      mlp_only_layers=[0], decoder_sparse_step=1),
+    "qwen3_moe": dict(COMMON, num_key_value_heads=4, head_dim=64, intermediate_size=1024, num_experts=32,
+                      num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
+                      mlp_only_layers=[], decoder_sparse_step=1),
+    "deepseek_v2": dict(COMMON, num_key_value_heads=8, intermediate_size=1024, q_lora_rank=None, kv_lora_rank=128,
+                        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=16,
+                        num_experts_per_tok=4, moe_intermediate_size=256, n_shared_experts=2, first_k_dense_replace=1,
+                        moe_layer_freq=1, topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False,
+                        n_group=1, topk_group=1, rope_scaling=YARN),
+    "deepseek_v3": dict(COMMON, num_key_value_heads=8, intermediate_size=1024, q_lora_rank=192, kv_lora_rank=128,
+                        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=16,
+                        num_experts_per_tok=4, moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, n_group=4, topk_group=2, rope_scaling=YARN),
+}
+
+
+def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).square().sum() / want.square().sum())
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+def build(arch: str) -> tuple[object, Path]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, **CONFIGS[arch])
+    with torch.device(DEV):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, buf in hf.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # zeros at init; make it matter
+            buf.copy_(torch.rand_like(buf) * 0.1)
+    hf.eval()
+    path = Path(tempfile.mkdtemp(prefix=f"{arch}-"))
+    hf.save_pretrained(path)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf, path
+
+
+def prefill_logits(path: Path, prompts: list[list[int]]) -> torch.Tensor:
+    """Ours (bf16, eager) last-token logits of each prompt: the one prefill step's rows, in order."""
+    from chitu_core import LLM, SamplingParams
+
+    llm = LLM(str(path), device="nvidia", dtype="bfloat16", max_model_len=512, enforce_eager=True, load_progress=False)
+    model, captured = llm.engine.model, []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda h: (out := compute_logits(h), captured.append(out.float().clone()))[0]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    del llm, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return captured[0]
+
+
+def greedy_and_batching(path: Path, dtype: str, prompts: list[list[int]], batch_prompts: list[list[int]]) -> dict:
+    """Ours (graphs as served): 64 greedy tokens of each prompt, and of batch_prompts[0] alone and in the batch."""
+    from chitu_core import LLM, SamplingParams
+
+    llm = LLM(str(path), device="nvidia", dtype=dtype, max_model_len=512, max_num_seqs=32, load_progress=False)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    alone = llm.generate([{"prompt_token_ids": batch_prompts[0]}], params)[0].outputs[0].token_ids
+    batched = llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params)[0].outputs[0].token_ids
+    same = [a == b for a, b in zip(alone, batched)]
+    info = dict(graphs=llm.engine.runner.graphs is not None, attention=llm.engine.attention.name,
+                fallback=llm.engine.ops.fallbacks())
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dict(outs=outs, batch_equal_prefix=same.index(False) if False in same else len(same), **info)
+
+
+def check(arch: str) -> dict:
+    hf, path = build(arch)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 33, 64, 80, 100, 128, 200)]
+    batch_prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in torch.randint(3, 200, (16,), generator=g)]
+    first = prefill_logits(path, prompts)
+    mine = greedy_and_batching(path, "bfloat16", prompts, batch_prompts)
+    batch_fp32 = greedy_and_batching(path, "float32", prompts[:1], batch_prompts)["batch_equal_prefix"]
+    rows = []
+    with torch.inference_mode():
+        fp32 = [hf(torch.tensor([p + o[:-1]], device=DEV)).logits[0, len(p) - 1:].float() for p, o in zip(prompts, mine["outs"])]
+        greedy = [hf.generate(torch.tensor([p], device=DEV), max_new_tokens=STEPS, min_new_tokens=STEPS,
+                              do_sample=False)[0, len(p):].tolist() for p in prompts]
+        inv_freq = {n: b.clone() for n, b in hf.named_buffers() if n.endswith("inv_freq")}
+        hf.to(torch.bfloat16)
+        for name, value in inv_freq.items():  # RoPE frequencies stay float32, as in the checkpoint's model
+            owner, _, attr = name.rpartition(".")
+            setattr(hf.get_submodule(owner), attr, value)
+        bf16 = [hf(torch.tensor([p], device=DEV)).logits[0, -1].float() for p in prompts]
+    for i, p in enumerate(prompts):
+        ours_tokens, theirs = mine["outs"][i], greedy[i]
+        same = [a == b for a, b in zip(ours_tokens, theirs)]
+        div = same.index(False) if False in same else len(same)
+        row = dict(prompt_len=len(p), ours_nmse=nmse(first[i], fp32[i][0]), hf_bf16_nmse=nmse(bf16[i], fp32[i][0]),
+                   equal_prefix=div)
+        if div < len(same):  # transformers' float32 top-2 gap where the free runs part (teacher-forced on ours)
+            top2 = fp32[i][div].topk(2).values
+            row["gap_ulps"] = float((top2[0] - top2[1]) / bf16_ulp(top2[0]))
+        rows.append(row)
+    ours_mean = sum(r["ours_nmse"] for r in rows) / len(rows)
+    hf_mean = sum(r["hf_bf16_nmse"] for r in rows) / len(rows)
+    greedy_ok = all(r["equal_prefix"] == STEPS or r["gap_ulps"] <= 2.0 for r in rows)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dict(arch=arch, rows=rows, ours_nmse=ours_mean, hf_bf16_nmse=hf_mean, nmse_ok=ours_mean <= hf_mean,
+                greedy_ok=greedy_ok, batch_bf16=mine["batch_equal_prefix"], batch_fp32=batch_fp32, graphs=mine["graphs"],
+                attention=mine["attention"], fallback=mine["fallback"])
+
+
+def main() -> int:
+    archs = sys.argv[1:] or list(CONFIGS)
+    results = []
+    for arch in archs:
+        try:
+            results.append(check(arch))
+        except Exception as exc:  # one architecture's failure is reported; the others still run
+            import traceback
+
+            traceback.print_exc()
+            results.append(dict(arch=arch, error=f"{type(exc).__name__}: {exc}"[:400]))
+        print(json.dumps(results[-1], default=str)[:1500], flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "moe_models_check.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"\ndevice: {torch.cuda.get_device_name()} | ours bf16 vs transformers fp32 on the same random weights")
+    print(f"{'arch':<12}{'ours NMSE':>11}{'HF-bf16 NMSE':>14}{'NMSE ok':>8}{'greedy (equal/64; gap ulps)':>40}"
+          f"{'batch fp32':>11}{'batch bf16':>11}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['arch']:<12} ERROR {r['error']}")
+            continue
+        greedy = ", ".join(f"{x['equal_prefix']}" + (f" ({x['gap_ulps']:.2f})" if "gap_ulps" in x else "") for x in r["rows"])
+        print(f"{r['arch']:<12}{r['ours_nmse']:>11.3g}{r['hf_bf16_nmse']:>14.3g}{str(r['nmse_ok']):>8}{greedy:>40}"
+              f"{r['batch_fp32']:>11}{r['batch_bf16']:>11}")
+    return 0 if all("error" not in r and r["nmse_ok"] and r["greedy_ok"] and r["batch_fp32"] == STEPS for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
