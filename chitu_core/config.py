@@ -42,6 +42,7 @@ class EngineConfig(BaseSettings):
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")
     seed: int = Field(0, description="seeds the per-request seeds of requests that set none")
-    num_threads: int | None = Field(None, ge=1, description="host threads, for backends that use them")
+    num_threads: int | None = Field(None, ge=1, description="host threads, for backends that use them "
+                                    "(default: the backend's choice)")
     load_progress: bool = Field(True, description="show a progress bar while loading weights")
     profile_steps: bool = Field(False, description="time every step and its forward (adds a device sync per step)")

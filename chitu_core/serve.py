@@ -14,10 +14,12 @@ import json
 import logging
 import sys
 import tomllib
+from argparse import SUPPRESS, ArgumentParser, RawDescriptionHelpFormatter
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import CliApp
+from pydantic_settings import CliApp, CliSettingsSource
 
 from chitu_core.config import SETTINGS, EngineConfig
 
@@ -32,11 +34,17 @@ class ServeConfig(EngineConfig):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     api_key: list[str] = Field(default_factory=list, description=(
-        "KEY or KEY:PRIORITY, repeatable; when set, /v1 requests need 'Authorization: Bearer KEY'; "
-        "lower priorities are scheduled first (default 0)"))
+        "KEY or KEY:PRIORITY; repeat the flag for several keys: --api-key KEY1 --api-key KEY2:1. With keys set, "
+        "/v1, /tokenize and /detokenize need 'Authorization: Bearer KEY', and requests of a lower PRIORITY are "
+        "scheduled first (default: no keys; a key's priority: 0)"))
     served_model_name: str | None = Field(None, description="the model name clients use (default: from the model path)")
     max_pending: int = Field(1024, ge=1, description="requests in flight before new ones get 503")
     log_level: str = Field("info", description="uvicorn log level")
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(None, description=(
+        "put the model's <think> reasoning into reasoning_content: deepseek_r1 or qwen3 (default: none)"))
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "deepseek_v3"] | None = Field(None, description=(
+        "read tool calls in the model's output (tool_choice auto): hermes, llama3_json, mistral or deepseek_v3 "
+        "(default: guessed from the chat template, else none)"))
     engine_process: bool = Field(True, description="run the engine core in a process of its own (no GIL shared with "
                                  "HTTP handling); off: in a thread of the server's process")
 
@@ -58,10 +66,44 @@ def _split_config_file(argv: list[str]) -> tuple[dict, list[str]]:
     return values, rest
 
 
+PROG = "python -m chitu_core.serve"
+DESCRIPTION = """The OpenAI-compatible server: the API at /v1, a chat page at /.
+
+Options come from flags, CHITU_<OPTION> environment variables (CHITU_MAX_NUM_SEQS=8) and
+--config-file, in that order of precedence."""
+METAVARS = {"--api-key": "KEY[:PRIORITY]"}
+
+
+def _parser() -> ArgumentParser:
+    """The flags' parser, to which pydantic-settings adds one flag per option. --config-file is
+    listed here for --help; load_config takes it out of argv before parsing."""
+    parser = ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=RawDescriptionHelpFormatter,
+                            allow_abbrev=False)
+    parser.add_argument("--config-file", metavar="PATH", default=SUPPRESS, help=(
+        "a JSON or TOML file of options, named as the flags (\"max-num-seqs\" or \"max_num_seqs\"); "
+        "flags and environment variables override it"))
+    return parser
+
+
+def _add_argument(parser: ArgumentParser, *names, **kwargs):
+    """pydantic-settings ends every flag's help with "(default: X)": keep it only where it says
+    something, that is not where the description names its own default, nor "null", nor a factory."""
+    help_text = kwargs.get("help")
+    if isinstance(help_text, str):
+        text, sep, default = help_text.rpartition(" (default")
+        if sep and ("(default" in text or default == ": null)" or default.startswith(" factory")):
+            kwargs["help"] = text
+    if names and names[-1] in METAVARS:
+        kwargs["metavar"] = METAVARS[names[-1]]
+    return parser.add_argument(*names, **kwargs)
+
+
 def load_config(argv: list[str]) -> ServeConfig:
     """Flags > environment > config file > defaults."""
     file_values, argv = _split_config_file(argv)
-    given = CliApp.run(ServeConfig, cli_args=argv)
+    source = CliSettingsSource(ServeConfig, root_parser=_parser(), add_argument_method=_add_argument,
+                               cli_hide_none_type=True)
+    given = CliApp.run(ServeConfig, cli_args=argv, cli_settings_source=source)
     explicit = {k: getattr(given, k) for k in given.model_fields_set}
     return ServeConfig(**{**file_values, **explicit}) if file_values else given
 
@@ -79,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     name = config.served_model_name or (Path(config.model).stem if config.model else embedded_model_name())
     engine_fields = {k: getattr(config, k) for k in EngineConfig.model_fields}
     llm = AsyncLLM(EngineConfig(**{**engine_fields, "model": model_dir}), process=config.engine_process)
-    app = build_app(llm, [name], config.api_key, config.max_pending)
+    app = build_app(llm, [name], config.api_key, config.max_pending, config.reasoning_parser, config.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
 
     def stop_serving(_reason: str) -> None:  # on the engine's reader thread: uvicorn polls the flag

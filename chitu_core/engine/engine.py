@@ -34,6 +34,7 @@ from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.model import KVGeometry
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
+from chitu_core.sampling.grammar import Constraints, GrammarCache
 from chitu_core.sampling.params import SamplingParams
 from chitu_core.sampling.sampler import Sampler
 
@@ -212,6 +213,12 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+        if bad:
+            raise ValueError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        constraints = self._constraints() if params.structured_output is not None else None
+        if constraints is not None:  # compiled (or found in the cache) before anything is queued
+            constraints.grammars.compile(params.structured_output)
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens and max_tokens={params.max_tokens}: together "
@@ -232,6 +239,9 @@ class LLMEngine:
             request.seqs.append(seq)
         for seq in request.seqs:
             self.scheduler.add(seq)  # validates the size; the first failure leaves nothing queued
+        if constraints is not None:
+            for seq in request.seqs:
+                constraints.add(seq.seq_id, params.structured_output)
         self.requests[request_id] = request
         return request
 
@@ -243,6 +253,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+                self._drop_constraint(seq)
         request.metrics.finished_time = time.monotonic()
         return True
 
@@ -302,10 +313,12 @@ class LLMEngine:
     def _continuation(self, current: PendingStep) -> PendingStep | None:
         """Launch the decode step that follows ``current`` without waiting for its tokens, or None
         where the next step needs the scheduler: requests wait, a row had no token (partial
-        prefill), or the KV cache needs a preemption."""
+        prefill), the KV cache needs a preemption, or a sequence has a grammar."""
         batch = current.batch
         if self.scheduler.waiting or len(current.sampling) != len(batch.seqs):
             return None
+        if any(s.params.structured_output is not None for s in batch.seqs):
+            return None  # a grammar's next mask needs this step's token: its rows wait for the host
         rows, seqs = [], []
         for row, seq in enumerate(batch.seqs):
             if seq.is_finished:
@@ -348,6 +361,7 @@ class LLMEngine:
         self.stats.num_generated_tokens += 1
         token = result.token
         seq.output_token_ids.append(token)
+        complete = self.runner.constraints is not None and self.runner.constraints.accept(seq.seq_id, token)
         self.block_manager.cache_full_blocks(seq)  # every computed token is known now
         lps = None
         if result.logprob is not None:
@@ -360,7 +374,7 @@ class LLMEngine:
                 seq.stop_reason = seq.detokenizer.stop_reason
                 self._finish(seq, "stop")
         if not seq.is_finished:
-            reason = self._finish_reason(seq, token)
+            reason = "stop" if complete else self._finish_reason(seq, token)
             if reason:
                 if seq.detokenizer is not None:
                     text += seq.detokenizer.flush()
@@ -381,10 +395,22 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self._drop_constraint(seq)
         request = seq.request
         if request.finished:
             request.metrics.finished_time = time.monotonic()
             request.metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
+
+    def _constraints(self) -> Constraints:
+        """The grammar matchers, made with the first structured-output request (it loads xgrammar
+        and builds the tokenizer's tables, once)."""
+        if self.runner.constraints is None:
+            self.runner.constraints = Constraints(GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids))
+        return self.runner.constraints
+
+    def _drop_constraint(self, seq: Sequence) -> None:
+        if self.runner.constraints is not None:
+            self.runner.constraints.remove(seq.seq_id)
 
     def _delta_output(self, request: Request, deltas: dict[int, CompletionOutput]) -> RequestOutput:
         out = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,

@@ -15,6 +15,7 @@ from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 from chitu_core.engine.graphs import DecodeGraphs
 from chitu_core.engine.scheduler import ScheduledBatch
 from chitu_core.layers.context import StepContext
+from chitu_core.sampling.grammar import Constraints
 from chitu_core.sampling.sampler import Sampler, SamplingBatch
 
 
@@ -66,6 +67,7 @@ class ModelRunner:
         self.synchronize = synchronize  # when set (profiling), called after the forward to time it
         self.last_forward_seconds = 0.0
         self.graphs: DecodeGraphs | None = None  # set by the engine where the backend captures graphs
+        self.constraints: Constraints | None = None  # set by the engine with its first structured-output request
 
     def graph_size(self, batch: ScheduledBatch) -> int | None:
         """The captured batch size this step replays, or None to run it eagerly: graphs serve
@@ -115,7 +117,8 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, ids: torch.Tensor | None = None, ahead: int = 0) -> PendingStep:
         """Queue one forward and sample. ``ids``: for a continuation, each sequence's input token on
         the device (the previous step's ``tokens``); ``ahead``: tokens each sequence has sampled that
-        the host has not appended yet (they count for seeds and ``min_tokens``)."""
+        the host has not appended yet (they count for seeds and ``min_tokens``). A sequence with a
+        grammar is never launched ahead: its mask needs its previous token accepted."""
         size = self.graph_size(batch)
         if size is not None:
             start = time.perf_counter()
@@ -149,6 +152,7 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             [self._banned(s, ahead) for s in seqs],
             ids if ahead else None,
+            self.constraints.bitmask([s.seq_id for s in seqs]) if self.constraints is not None else None,
         )
         out = self.sampler(logits, sbatch)
         # One device-to-host copy for everything the host needs this step, not waited for here.

@@ -1,12 +1,52 @@
 """SamplingParams and BeamSearchParams: how one request is decoded. Validated on construction,
 with messages naming the field."""
 
-from typing import Annotated
+import json
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # seeds and token ids travel to the device as int64
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on a request's output, enforced while decoding: exactly one of
+    ``json_object`` (any JSON object), ``json_schema`` (JSON valid under the schema, strictly:
+    no properties or items the schema does not allow), ``regex`` (output that fullmatches it) or
+    ``grammar`` (EBNF, in the GBNF dialect of llama.cpp and xgrammar, with ``root`` as start).
+
+    Server code may attach one itself (say, the schema of a tool call). Whether the library can
+    compile it is ``chitu_core.sampling.grammar.check``'s to say; the output ends ("stop") when
+    the grammar is complete."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_object: bool = False
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "StructuredOutput":
+        given = [k for k in ("json_schema", "regex", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_object, json_schema, regex, grammar (got {', '.join(given) or 'none'})")
+        return self
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what a compiled grammar is cached under (a schema's key order matters:
+        it is the order of the output's properties)."""
+        if self.json_object:
+            return ("json_object", "")
+        if self.json_schema is not None:
+            return ("json_schema", json.dumps(self.json_schema, ensure_ascii=False))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        return ("grammar", self.grammar)
 
 
 class SamplingParams(BaseModel):
@@ -22,6 +62,10 @@ class SamplingParams(BaseModel):
     it with the token kept; EOS ends it unless ignore_eos; min_tokens forbids EOS and stop
     tokens until that many tokens are out. logprobs=N returns the sampled token's
     log-probability and the N most likely tokens' at each step (computed on the raw logits).
+    logit_bias (token id -> bias in [-100, 100], as OpenAI's) is added to the logits before
+    anything else; its ids must be in the model's vocabulary, which the engine checks.
+    structured_output constrains the output to a grammar (``StructuredOutput``); the request
+    ends ("stop") when the grammar is complete.
 
     Whatever passes validation can be batched without error: integers fit int64, floats are
     finite. A value that could make an engine step raise is refused here, naming its field.
@@ -45,6 +89,8 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
+    logit_bias: dict[TokenId, Bias] = Field(default_factory=dict)
+    structured_output: StructuredOutput | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":
@@ -52,6 +98,8 @@ class SamplingParams(BaseModel):
             raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.structured_output is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_output: the grammar decides where the output ends")
         return self
 
     @property

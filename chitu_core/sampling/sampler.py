@@ -1,7 +1,9 @@
 """The batched sampler: one call per step for every sequence that emits a token, all on the device.
 
-Banned tokens (EOS and stop tokens before ``min_tokens``) are set to -inf first, then the
-repetition/frequency/presence penalties apply, to greedy rows too (as vLLM). Greedy rows then
+Each row's logit_bias is added first; then banned tokens (EOS and stop tokens before
+``min_tokens``) and the tokens a row's grammar does not allow (structured output, a packed
+bitmask from ``grammar``) are set to -inf; then the repetition/frequency/presence penalties
+apply, to greedy rows too (as vLLM). Greedy rows then
 take ``greedy_sample``; the others go through temperature, top-k/top-p, min-p and
 ``random_sample`` with counter-based noise (``noise``), so that a seeded request samples the same
 tokens in any batch. Work that no row needs is skipped on host flags.
@@ -13,6 +15,7 @@ from itertools import chain
 import torch
 
 from chitu_core.ops.table import Ops
+from chitu_core.sampling.grammar import unpack_bitmask
 from chitu_core.sampling.noise import exponential_noise
 from chitu_core.sampling.params import SamplingParams
 
@@ -41,6 +44,8 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None = None  # bool [B, V]: the token is in the row's prompt
     output_counts: torch.Tensor | None = None  # int32 [B, V]: its occurrences in the row's output
     banned: torch.Tensor | None = None  # bool [B, V]: the row must not sample the token this step
+    bias: torch.Tensor | None = None  # float32 [B, V]: logit_bias, added to the logits
+    allowed: torch.Tensor | None = None  # int32 [B, ceil(V / 32)]: grammar bitmask, bit set = allowed
 
     @classmethod
     def build(
@@ -54,12 +59,15 @@ class SamplingBatch:
         output_ids: list[list[int]],
         banned_ids: list[list[int]],
         pending: torch.Tensor | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> "SamplingBatch":
         """One row per entry of ``params``. prompt_ids / output_ids: each row's prompt and output
         tokens so far (read only for rows that use a penalty), ids in [0, vocab_size);
         banned_ids: the tokens each row may not sample this step (ids outside the vocabulary
         cannot be sampled anyway and are ignored); pending: int64 [rows] on the device, a token
-        each row has sampled that is not in ``output_ids`` yet (async scheduling), or None."""
+        each row has sampled that is not in ``output_ids`` yet (async scheduling), or None;
+        bitmask: the rows' grammar bitmask on the host (``grammar.Constraints.bitmask``), or None
+        when no row is constrained: one copy to the device."""
 
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -92,7 +100,20 @@ class SamplingBatch:
         banning = [i for i, ids in enumerate(banned_ids) if ids]
         if banning:
             batch.banned = _token_table(banned_ids, banning, rows, vocab_size, device, None)
+        if any(p.logit_bias for p in params):
+            batch.bias = _bias_table(params, rows, vocab_size, device)
+        if bitmask is not None:
+            batch.allowed = bitmask.to(device, non_blocking=True)
         return batch
+
+
+def _bias_table(params: list[SamplingParams], rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """float32 [rows, vocab_size] on the device: each row's logit_bias, zero elsewhere (ids
+    outside the vocabulary are ignored: the engine refuses them when the request is added)."""
+    entries = [(r * vocab_size + t, b) for r, p in enumerate(params) for t, b in p.logit_bias.items() if t < vocab_size]
+    index = torch.tensor([i for i, _ in entries], dtype=torch.int64).to(device, non_blocking=True)
+    values = torch.tensor([b for _, b in entries], dtype=torch.float32).to(device, non_blocking=True)
+    return torch.zeros(rows * vocab_size, dtype=torch.float32, device=device).index_put_((index,), values).view(rows, vocab_size)
 
 
 def _token_table(ids: list[list[int]], read: list[int], rows: int, vocab_size: int, device: torch.device,
@@ -134,15 +155,19 @@ class Sampler:
         """logits: [B, V], float32 or 16-bit -> one token per row.
 
         Log-probabilities (``logprobs``, ``top_logprobs``) are those of the raw logits: before
-        bans, penalties, temperature and filters. Everything but a plain greedy pick runs in
+        logit_bias, bans, the grammar's mask, penalties, temperature and filters. Everything but a plain greedy pick runs in
         float32 (the upcast is exact, so greedy tokens are the same either way)."""
         plain_greedy = (batch.all_greedy and batch.banned is None and batch.prompt_mask is None
-                        and batch.max_logprobs is None)
+                        and batch.max_logprobs is None and batch.bias is None and batch.allowed is None)
         if not plain_greedy:
             logits = logits.float()
         x = logits
+        if batch.bias is not None:
+            x = x + batch.bias
         if batch.banned is not None:
             x = x.masked_fill(batch.banned, float("-inf"))
+        if batch.allowed is not None:
+            x = x.masked_fill(~unpack_bitmask(batch.allowed, x.shape[-1]), float("-inf"))
         if batch.prompt_mask is not None:
             x = self.ops.apply_penalties(
                 x, batch.prompt_mask, batch.output_counts, batch.repetition, batch.frequency, batch.presence

@@ -1,9 +1,12 @@
-"""The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models, plus /health and /metrics.
+"""The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models, plus /health and /metrics,
+/tokenize and /detokenize (tokenize.py), the chat page (page.py) and this server's OpenAPI document (openapi.py).
 
 Every /v1 route checks the API key (when keys are configured) and the model
 name, admits the request against the server's queue capacity, hands it to the
 AsyncLLM and answers with one JSON body or an SSE stream ending in
-``data: [DONE]``. A client that disconnects mid-stream aborts its request.
+``data: [DONE]``. A client that disconnects mid-stream aborts its request. Chat replies go through
+tools.py: reasoning_content (--reasoning-parser) and tool_calls (--tool-call-parser, or "required"
+and a named tool_choice enforced by constrained decoding).
 
 When the engine fails, the requests it was running get a 500 (a stream that has begun gets one
 ``data: {"error": ...}`` event instead of ``[DONE]``), later ones a 503, and /health a 503 that
@@ -22,9 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chitu_core.engine.async_engine import AsyncLLM, EngineDeadError
 from chitu_core.server import schemas as s
-from chitu_core.server.errors import APIError, bad_request, engine_failed
+from chitu_core.server import tools
+from chitu_core.server.errors import APIError, bad_request, engine_failed, invalid_request
 from chitu_core.server.handlers import Prepared, admit, chat_logprobs, completion_logprobs, merged, sampling_params, sse
-from chitu_core.server.metrics import ServerMetrics
+from chitu_core.server.metrics import ServerMetrics, route_label
+from chitu_core.server.openapi import errors, streamed, tailor
+from chitu_core.server.page import add_chat_page
+from chitu_core.server.tokenize import add_tokenize_routes
+from chitu_core.server.tools import template_messages
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +49,13 @@ def parse_api_keys(specs: list[str]) -> list[tuple[bytes, int]]:
 
 
 class ServerState:
-    def __init__(self, llm: AsyncLLM, served_names: list[str], api_keys: list[str], max_pending: int):
+    def __init__(self, llm: AsyncLLM, served_names: list[str], api_keys: list[str], max_pending: int,
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None):
         self.llm, self.tokenizer = llm, llm.tokenizer
+        tools.check_parser_name("reasoning", reasoning_parser)
+        tools.check_parser_name("tool-call", tool_call_parser)
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser or tools.guess_tool_parser(getattr(self.tokenizer, "chat_template", None))
         self.served_names = served_names
         self.keys = parse_api_keys(api_keys)
         self.max_pending, self.pending = max_pending, 0
@@ -74,46 +87,67 @@ class ServerState:
             raise bad_request("this model has no tokenizer: send token ids as the prompt", "prompt")
         return self.tokenizer.encode(text)
 
-    def chat_prompt(self, messages: list[s.ChatMessage]) -> tuple[list[int], str]:
+    def chat_prompt(self, body: s.ChatCompletionRequest) -> tuple[list[int], str]:
+        text = self.chat_text(body.messages, tools=tools.template_tools(body), template_kwargs=body.chat_template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False), text
+
+    def chat_text(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True,
+                  tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """The messages (and tools, and the request's chat_template_kwargs) rendered by the model's
+        chat template (as /v1/chat/completions and /tokenize see them)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        conv = [{"role": m.role, "content": m.text()} for m in messages]
+        conv = template_messages(messages)
+        kwargs = {k: v for k, v in (template_kwargs or {}).items()
+                  if k not in ("conversation", "tools", "tokenize", "add_generation_prompt")}
         try:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(conv, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as exc:  # a template that rejects this conversation (e.g. role order)
             raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False), text
+
+
+FAILED_MID_STREAM = "chitu.failed_mid_stream"  # set in a request's scope by a stream that ended in an error event
 
 
 class RequestCounter:
-    """Counts /v1/ requests by path and response status. A plain ASGI middleware: Starlette's
-    ``BaseHTTPMiddleware`` would pass every streamed chunk through a task and a memory stream of
-    its own (a quarter of the server's CPU time at 64 streams)."""
+    """Counts HTTP requests by route template and status, and those that failed (a 5xx, or a
+    stream's error event) or were aborted (the response never completed: the client left
+    mid-stream). A plain ASGI middleware:
+    Starlette's ``BaseHTTPMiddleware`` would pass every streamed chunk through a task and a memory
+    stream of its own (a quarter of the server's CPU time at 64 streams)."""
 
     def __init__(self, app, metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or scope["path"] == "/metrics":
             return await self.app(scope, receive, send)
-        status = 500  # what the client gets if the app fails before it answers
+        status, complete = 500, False  # what the client gets if the app fails before it answers
 
         async def counting_send(message):
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
         try:
             await self.app(scope, receive, counting_send)
-        finally:
-            self.metrics.requests.labels(scope["path"], str(status)).inc()
+        finally:  # the router has put the matched route into the scope
+            failed = status >= 500 or scope.get(FAILED_MID_STREAM, False)
+            self.metrics.count(route_label(scope), str(status), failed=failed, aborted=not complete)
 
 
-def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), max_pending: int = 1024) -> FastAPI:
-    state = ServerState(llm, served_names, list(api_keys), max_pending)
+def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), max_pending: int = 1024,
+              reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """The app; ``reasoning_parser``/``tool_call_parser``: names from chitu_core.server.parsers
+    (the tool-call parser is otherwise guessed from the chat template's markers, if any)."""
+    state = ServerState(llm, served_names, list(api_keys), max_pending, reasoning_parser, tool_call_parser)
     app = FastAPI(title="chitu-core", description="OpenAI-compatible LLM server")
     app.state.chitu = state
+    add_chat_page(app)  # the chat page at /
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -121,13 +155,11 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return bad_request(f"invalid request: {where or 'body'}: {first.get('msg', 'malformed')}", where or None).response()
+        return invalid_request(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+    async def _http(_, exc: StarletteHTTPException):  # 404, 405 (its Allow header kept)
+        return APIError(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers).response()
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_, exc: EngineDeadError):  # the engine failed under a request it was running
@@ -142,31 +174,48 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
     def authorized(request: Request) -> int:
         return state.priority(request)
 
-    @app.get("/health")
-    async def health():
+    @app.get("/health", response_model_exclude_none=True,
+             responses={503: {"model": s.Health, "description": "The engine has failed; restart the server."}})
+    async def health() -> s.Health:
         if state.llm.error is not None:
             reason = f"the engine failed: {state.llm.error}"
             return JSONResponse({"status": "failed", "reason": reason}, status_code=503)
-        return {"status": "ok"}
+        return s.Health(status="ok")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain; version=0.0.4": {"schema": {"type": "string"}}}}})
     async def metrics():
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=errors(401))
     async def models(_: int = Depends(authorized)) -> s.ModelList:
         return s.ModelList(data=[s.ModelCard(id=n, max_model_len=state.max_model_len) for n in state.served_names])
 
-    @app.post("/v1/chat/completions")
+    generation_errors = errors(400, 401, 404, 500, 503)
+
+    @app.post("/v1/chat/completions", responses={
+        **streamed(s.ChatCompletion, s.ChatCompletionChunk, "`ChatCompletionChunk`s, then `[DONE]`"), **generation_errors})
     async def chat(body: s.ChatCompletionRequest, request: Request, priority: int = Depends(authorized)):
         state.check_model(body.model)
-        ids, text = state.chat_prompt(body.messages)
+        constraint = tools.tool_constraint(body)
+        choice = tools.choice_of(body)
+        if choice == "auto" and state.tool_call_parser is None:
+            raise bad_request('tool_choice "auto" needs a tool-call parser: start the server with --tool-call-parser '
+                              f'(one of {", ".join(tools.TOOL_CALL_PARSERS)}), or send tool_choice "required" or a '
+                              'named function', "tool_choice")
+        ids, text = state.chat_prompt(body)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, body.max_completion_tokens or body.max_tokens, len(ids), state.max_model_len, top)
-        prep = Prepared(f"chatcmpl-{uuid.uuid4().hex}", [ids], [text], params, top)
-        return await run(prep, body, priority, chat=True)
+        params = sampling_params(body, body.max_completion_tokens or body.max_tokens, len(ids), state.max_model_len, top,
+                                 constraint, "tools")
+        prep = Prepared(f"chatcmpl-{uuid.uuid4().hex}", [ids], [text], params, top, prompt_field="messages")
+        tool_parser = state.tool_call_parser if choice == "auto" else None
+        if state.reasoning_parser or tool_parser or constraint is not None:
+            prep.choice_parser = lambda: tools.ChoiceParser(state.reasoning_parser, tool_parser, constraint is not None,
+                                                            body.parallel_tool_calls)
+        return await run(prep, body, priority, request.scope, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={
+        **streamed(s.Completion, s.Completion, "`Completion`s (the echoed prompt first), then `[DONE]`"), **generation_errors})
     async def completions(body: s.CompletionRequest, request: Request, priority: int = Depends(authorized)):
         state.check_model(body.model)
         p = body.prompt
@@ -182,11 +231,23 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
             raise bad_request("the prompt is empty", "prompt")
         if any(not ids for ids in prompts):
             raise bad_request("a prompt is empty", "prompt")
+        echo = echoed(body, prompts, texts)
         params = sampling_params(body, body.max_tokens or 16, max(map(len, prompts)), state.max_model_len, body.logprobs)
-        prep = Prepared(f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, body.logprobs)
-        return await run(prep, body, priority, chat=False)
+        prep = Prepared(f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, body.logprobs, echo=echo)
+        return await run(prep, body, priority, request.scope, chat=False)
 
-    async def run(prep: Prepared, body, priority: int, chat: bool) -> Response:
+    def echoed(body: s.CompletionRequest, prompts: list[list[int]], texts: list[str | None]) -> list[str] | None:
+        """With ``echo``, each prompt's text (token ids decoded), which its choices begin with."""
+        if not body.echo:
+            return None
+        if body.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported: this server does not compute the prompt's "
+                              "log-probabilities; send echo or logprobs, not both", "echo")
+        if state.tokenizer is None and None in texts:
+            raise bad_request("this model has no tokenizer, so token-id prompts cannot be echoed as text", "echo")
+        return [t if t is not None else state.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
+
+    async def run(prep: Prepared, body, priority: int, scope: dict, chat: bool) -> Response:
         if state.llm.error is not None:
             raise engine_failed(503, f"the engine failed, and this server must be restarted: {state.llm.error}")
         if state.pending + len(prep.prompts) > state.max_pending:
@@ -202,7 +263,7 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream_chat(prep, streams, model, include_usage) if chat else stream_completion(prep, streams, model, include_usage)
-            return StreamingResponse(release(prep, events), media_type="text/event-stream",
+            return StreamingResponse(release(prep, events, scope), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             return await collect(prep, streams, model, chat)
@@ -214,15 +275,18 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
         for rid in prep.engine_ids():  # no-op for finished requests; frees the rest
             state.llm.abort(rid)
 
-    async def release(prep: Prepared, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The stream's events; if it breaks after the 200 went out, one error event ends it."""
+    async def release(prep: Prepared, events: AsyncIterator[str], scope: dict) -> AsyncIterator[str]:
+        """The stream's events; if it breaks after the 200 went out, one error event ends it (and
+        RequestCounter counts the request as failed)."""
         try:
             async for event in events:
                 yield event
         except EngineDeadError as exc:
+            scope[FAILED_MID_STREAM] = True
             yield sse(engine_failed(500, str(exc)).body())
         except Exception as exc:
             log.exception("a stream failed")
+            scope[FAILED_MID_STREAM] = True
             yield sse(APIError(500, f"internal server error: {type(exc).__name__}", "server_error").body())
         finally:
             finish(prep)
@@ -250,28 +314,55 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
                         total_tokens=prompt_tokens + sum(map(len, tokens.values())))
         tok = state.tokenizer
         if chat:
-            choices = [s.ChatChoice(index=k, message=s.AssistantMessage(content=texts[k]), finish_reason=reasons[k],
+            messages = {k: parsed_message(prep, texts[k], reasons[k]) for k in texts}
+            choices = [s.ChatChoice(index=k, message=messages[k][0], finish_reason=messages[k][1],
                                     logprobs=chat_logprobs(tok, lps[k], tokens[k], prep.logprobs) if prep.logprobs is not None else None)
                        for k in sorted(texts)]
             return s.ChatCompletion(id=prep.request_id, created=prep.created, model=model, choices=choices, usage=usage)
+        if prep.echo is not None:
+            texts = {k: prep.echo[k // n] + text for k, text in texts.items()}
         choices = [s.CompletionChoice(index=k, text=texts[k], finish_reason=reasons[k],
                                       logprobs=completion_logprobs(tok, lps[k], tokens[k], prep.logprobs, 0) if prep.logprobs is not None else None)
                    for k in sorted(texts)]
         return s.Completion(id=prep.request_id, created=prep.created, model=model, choices=choices, usage=usage)
+
+    def parsed_message(prep: Prepared, text: str, reason: str | None) -> tuple[s.AssistantMessage, str | None]:
+        if prep.choice_parser is None:
+            return s.AssistantMessage(content=text), reason
+        parser = prep.choice_parser()
+        a, b = parser.feed(text), parser.finish()
+        content = a.content + b.content
+        message = s.AssistantMessage(content=content if content or not parser.calls else None,
+                                     reasoning_content=(a.reasoning + b.reasoning) or None,
+                                     tool_calls=tools.message_calls(parser.calls))
+        return message, "tool_calls" if parser.calls and reason == "stop" else reason
+
+    def parsed_delta(parsers: dict, prep: Prepared, k: int, text: str, reason: str | None) -> tuple[s.DeltaMessage, str | None]:
+        if prep.choice_parser is None:
+            return s.DeltaMessage(content=text), reason
+        parser = parsers[k] if k in parsers else parsers.setdefault(k, prep.choice_parser())
+        piece = parser.feed(text)
+        if reason is not None:
+            end = parser.finish()
+            piece = tools.Piece(piece.reasoning + end.reasoning, piece.content + end.content, piece.calls + end.calls)
+            reason = "tool_calls" if parser.calls and reason == "stop" else reason
+        delta = s.DeltaMessage(content=piece.content if piece.content or not (piece.reasoning or piece.calls) else None,
+                               reasoning_content=piece.reasoning or None, tool_calls=tools.delta_calls(piece.calls))
+        return delta, reason
 
     async def stream_chat(prep: Prepared, streams, model: str, include_usage: bool) -> AsyncIterator[str]:
         n, tok = prep.params.n, state.tokenizer
         head = dict(id=prep.request_id, created=prep.created, model=model)
         for k in range(len(prep.prompts) * n):
             yield sse(s.ChatCompletionChunk(**head, choices=[s.ChatChunkChoice(index=k, delta=s.DeltaMessage(role="assistant", content=""))]))
-        completion = 0
+        completion, parsers = 0, {}
         async for i, out in merged(streams):
             record(out)
             for c in out.outputs:
                 completion += len(c.token_ids)
                 logprobs = chat_logprobs(tok, c.logprobs or [], c.token_ids, prep.logprobs) if prep.logprobs is not None else None
-                choice = s.ChatChunkChoice(index=i * n + c.index, delta=s.DeltaMessage(content=c.text),
-                                           logprobs=logprobs, finish_reason=c.finish_reason)
+                delta, reason = parsed_delta(parsers, prep, i * n + c.index, c.text, c.finish_reason)
+                choice = s.ChatChunkChoice(index=i * n + c.index, delta=delta, logprobs=logprobs, finish_reason=reason)
                 yield sse(s.ChatCompletionChunk(**head, choices=[choice]))
         if include_usage:
             prompt = sum(map(len, prep.prompts))
@@ -283,6 +374,8 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
         n, tok = prep.params.n, state.tokenizer
         head = dict(id=prep.request_id, created=prep.created, model=model)
         completion, offsets = 0, {}
+        for k in range(len(prep.prompts) * n) if prep.echo is not None else ():
+            yield sse(s.Completion(**head, choices=[s.CompletionChoice(index=k, text=prep.echo[k // n])]))
         async for i, out in merged(streams):
             record(out)
             for c in out.outputs:
@@ -300,4 +393,6 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
             yield sse(s.Completion(**head, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
+    add_tokenize_routes(app, state)
+    tailor(app, served_names, bool(state.keys), chunks=(s.ChatCompletionChunk,), tool_auto=state.tool_call_parser is not None)
     return app

@@ -3,7 +3,7 @@
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -11,8 +11,9 @@ from pydantic import ValidationError
 from chitu_core.engine.async_engine import AsyncLLM, EngineDeadError
 from chitu_core.engine.outputs import RequestOutput
 from chitu_core.errors import ChituError
-from chitu_core.sampling.params import SamplingParams
+from chitu_core.sampling.params import SamplingParams, StructuredOutput
 from chitu_core.server import schemas as s
+from chitu_core.server import structured
 from chitu_core.server.errors import bad_request, engine_failed
 
 
@@ -26,12 +27,24 @@ class Prepared:
     params: SamplingParams
     logprobs: int | None  # top logprobs per token, or None
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_field: str = "prompt"  # the request field a prompt the engine refuses is reported under
+    echo: list[str] | None = None  # completions' echo: each prompt's text, to prepend to its choices
+    choice_parser: Callable | None = None  # chat: makes a tools.ChoiceParser for each choice (None: text as is)
 
     def engine_ids(self) -> list[str]:
         return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
 
 
-def sampling_params(req: s._Request, max_tokens: int | None, prompt_len: int, max_model_len: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: s._Request, max_tokens: int | None, prompt_len: int, max_model_len: int, logprobs: int | None,
+                    constraint: StructuredOutput | None = None, constraint_param: str | None = None) -> SamplingParams:
+    """The request's SamplingParams; 400 naming the field at fault. ``constraint``: one that server
+    code attaches, from the request field ``constraint_param`` (else the request's response_format /
+    guided_* field gives it, if any)."""
+    param = constraint_param
+    if constraint is None:
+        constraint, param = structured.requested_constraint(req)
+    if constraint is not None:
+        structured.check_constraint(constraint, param)
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
         if max_tokens < 1:
@@ -43,6 +56,7 @@ def sampling_params(req: s._Request, max_tokens: int | None, prompt_len: int, ma
             top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
             frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, seed=req.seed,
             stop=req.stop or [], stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            logit_bias=structured.logit_bias(req), structured_output=constraint,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -62,7 +76,9 @@ async def admit(llm: AsyncLLM, prep: Prepared, priority: int) -> list[AsyncItera
             llm.abort(rid)
         if isinstance(exc, EngineDeadError):
             raise engine_failed(503, str(exc)) from None
-        raise bad_request(str(exc), code="context_length_exceeded" if "max_model_len" in str(exc) else None) from None
+        code = "context_length_exceeded" if "max_model_len" in str(exc) else None
+        param = "logit_bias" if str(exc).startswith("logit_bias") else prep.prompt_field
+        raise bad_request(str(exc), param, code) from None
     return streams
 
 

@@ -1,6 +1,8 @@
 """Prometheus metrics of one server: request and token counters, latency histograms, engine gauges.
 
 Each app gets its own registry, so several servers (or tests) in one process never collide.
+Requests are labelled by route template ("/v1/completions"), never by raw path: every path
+no route matches shares the label "other", so no client can make the series grow without bound.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -36,6 +38,10 @@ class ServerMetrics:
     def __init__(self, stats, max_pending: int, pending):
         self.registry = CollectorRegistry()
         self.requests = Counter("chitu_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=self.registry)
+        self.failed = Counter("chitu_requests_failed", "Requests answered with a 5xx status, or whose stream ended in "
+                              "an error event, by endpoint.", ["endpoint"], registry=self.registry)
+        self.aborted = Counter("chitu_requests_aborted", "Requests whose response never completed (the client left, "
+                               "e.g. mid-stream), by endpoint.", ["endpoint"], registry=self.registry)
         self.prompt_tokens = Counter("chitu_prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry)
         self.generation_tokens = Counter("chitu_generation_tokens", "Generated tokens.", registry=self.registry)
         self.ttft = Histogram("chitu_time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -44,6 +50,14 @@ class ServerMetrics:
         self.e2e = Histogram("chitu_e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue = Histogram("chitu_request_queue_time_seconds", "Arrival to first scheduling.", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_EngineCollector(stats, max_pending, pending))
+
+    def count(self, endpoint: str, status: str, failed: bool, aborted: bool) -> None:
+        """One HTTP request that ended; one that failed is not also counted as aborted."""
+        self.requests.labels(endpoint, status).inc()
+        if failed:
+            self.failed.labels(endpoint).inc()
+        elif aborted:
+            self.aborted.labels(endpoint).inc()
 
     def observe_finished(self, m: RequestMetrics) -> None:
         self.prompt_tokens.inc(m.num_prompt_tokens)
@@ -57,3 +71,10 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def route_label(scope) -> str:
+    """The template of the route that handled a request ("/v1/completions", "/static" for a mount),
+    or "other" when none matched (a 404)."""
+    path = getattr(scope.get("route"), "path", None)
+    return "other" if path is None else path or "/"
