@@ -1,10 +1,27 @@
-"""A real uvicorn server on 127.0.0.1 (a free port) in a thread, and free ports for servers in subprocesses, for tests."""
+"""A real uvicorn server on 127.0.0.1 (a free port) in a thread, free ports for servers in subprocesses, and a CPU
+engine to serve, for tests."""
 
+import asyncio
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import uvicorn
+
+from chitu_core.config import EngineConfig
+from chitu_core.engine.async_engine import AsyncLLM
+
+
+@contextmanager
+def cpu_engine(path, **options) -> Iterator[AsyncLLM]:
+    """An AsyncLLM (engine core in a thread) on the model at ``path``, on the CPU in float32; shut down on exit."""
+    engine = AsyncLLM(EngineConfig(model=str(path), device="cpu", dtype="float32", load_progress=False, **options))
+    try:
+        yield engine
+    finally:
+        asyncio.run(engine.shutdown())
 
 
 class LiveServer:

@@ -2,7 +2,6 @@
 subprocess as a user runs it: exact request and token counts, numbers that agree with each
 other, the plot, and the errors a user meets (wrong model, no server, missing API key)."""
 
-import asyncio
 import json
 import socket
 import struct
@@ -15,10 +14,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from builders import build_chat_model
 from chitu_core.bench.serve import concurrency_list, percentile, token_range
-from chitu_core.config import EngineConfig
-from chitu_core.engine.async_engine import AsyncLLM
 from chitu_core.server.app import build_app
-from serving import LiveServer
+from serving import LiveServer, cpu_engine
 
 MODEL = "tiny-bench"
 KEY = "sk-bench"
@@ -29,9 +26,8 @@ I, O, N = 8, 6, 8
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench-serve-llama")
     build_chat_model(path)  # vocab 512
-    engine = AsyncLLM(EngineConfig(model=str(path), device="cpu", dtype="float32", load_progress=False))
-    yield engine
-    asyncio.run(engine.shutdown())
+    with cpu_engine(path) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

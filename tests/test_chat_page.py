@@ -6,7 +6,6 @@ so the driver always speaks the browser's protocol version, and nothing is downl
 running would take many seconds, so a Stop that does not reach the engine shows as a failure.
 """
 
-import asyncio
 import os
 import time
 
@@ -15,10 +14,9 @@ import openai
 import pytest
 
 from builders import build_model, save_tokenizer
-from chitu_core.config import EngineConfig
 from chitu_core.engine.async_engine import AsyncLLM
 from chitu_core.server.app import build_app
-from serving import LiveServer
+from serving import LiveServer, cpu_engine
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 pytestmark = pytest.mark.skipif(
@@ -47,9 +45,8 @@ def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("page-llama")
     build_model(path, "llama-tied", bos_token_id=0, eos_token_id=1, max_position_embeddings=8192)
     save_tokenizer(path)
-    engine = AsyncLLM(EngineConfig(model=str(path), device="cpu", dtype="float32", load_progress=False))
-    yield engine
-    asyncio.run(engine.shutdown())
+    with cpu_engine(path) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

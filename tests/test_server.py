@@ -10,10 +10,9 @@ import openai
 import pytest
 
 from builders import build_chat_model
-from chitu_core.config import EngineConfig
 from chitu_core.engine.async_engine import AsyncLLM
 from chitu_core.server.app import build_app
-from serving import LiveServer
+from serving import LiveServer, cpu_engine
 
 MODEL = "tiny-chat"
 KEY = "sk-test-key"
@@ -23,9 +22,8 @@ KEY = "sk-test-key"
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("server-llama")
     build_chat_model(path)
-    engine = AsyncLLM(EngineConfig(model=str(path), device="cpu", dtype="float32", load_progress=False))
-    yield engine
-    asyncio.run(engine.shutdown())
+    with cpu_engine(path) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from chitu_core.config import EngineConfig
 from chitu_core.engine.async_engine import AsyncLLM
 from chitu_core.serve import load_config
 from chitu_core.server.app import build_app
-from serving import LiveServer
+from serving import LiveServer, cpu_engine
 
 MODEL = "tiny-chat"
 KEY = "sk-defects"
@@ -35,9 +35,8 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    engine = AsyncLLM(EngineConfig(model=str(model_path), device="cpu", dtype="float32", load_progress=False))
-    yield engine
-    asyncio.run(engine.shutdown())
+    with cpu_engine(model_path) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from chitu_core.sampling.grammar import unpack_bitmask
 from chitu_core.sampling.params import StructuredOutput
 from chitu_core.sampling.sampler import Sampler, SamplingBatch
 from chitu_core.server.app import build_app
-from serving import LiveServer
+from serving import LiveServer, cpu_engine
 
 MODEL = "tiny-chat"
 CPU = torch.device("cpu")
@@ -71,9 +71,8 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    engine = AsyncLLM(EngineConfig(model=str(model_path), device="cpu", dtype="float32", load_progress=False))
-    yield engine
-    asyncio.run(engine.shutdown())
+    with cpu_engine(model_path) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

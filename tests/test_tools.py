@@ -17,7 +17,7 @@ from builders import build_chat_model
 from chitu_core.config import EngineConfig
 from chitu_core.engine.async_engine import AsyncLLM
 from chitu_core.server.app import build_app
-from serving import LiveServer
+from serving import LiveServer, cpu_engine
 
 MODEL = "tiny-chat"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
@@ -46,9 +46,8 @@ def chat(text: str) -> list[dict]:
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("tools-llama")
     build_chat_model(path)
-    engine = AsyncLLM(EngineConfig(model=str(path), device="cpu", dtype="float32", load_progress=False))
-    yield engine
-    asyncio.run(engine.shutdown())
+    with cpu_engine(path) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
