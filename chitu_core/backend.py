@@ -122,6 +122,12 @@ class Backend(ABC):
         """Names of the quantization methods (see ``chitu_core.quantization``) it can run."""
         return frozenset({"unquantized"})
 
+    def quant_preferences(self, method: str) -> Mapping[str, Any]:
+        """Options this backend sets on a quantization method it runs (contract 1.2), merged over the
+        checkpoint's: e.g. ``{"act_quant": True}`` for "fp8" where the device multiplies FP8 numbers.
+        Default: none (the method's defaults: weights dequantized inside the kernel, 16-bit activations)."""
+        return {}
+
     def supports(self, op: str, dtype: torch.dtype, params: Mapping[str, Any]) -> bool:
         """Whether this backend runs ``op`` in ``dtype`` with ``params``; the conformance suite reports
         what it declines as unsupported rather than failed.

@@ -26,6 +26,9 @@ class EngineConfig(BaseSettings):
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="auto: read the checkpoint's weights; dummy: random weights made in place on the device "
         "from config.json alone (for benchmarks)")
+    quantization: Literal["fp8", "int8", "int4"] | None = Field(
+        None, description="quantize a 16-bit checkpoint while loading it: fp8 (128x128 blocks), int8 (W8A8, per "
+        "channel) or int4 (W4A16, groups of 128); quantized checkpoints need no flag")
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's)")
     max_num_seqs: int = Field(256, ge=1, description="most sequences in one step")
     max_num_batched_tokens: int = Field(8192, ge=1, description="most new tokens in one step")
@@ -41,6 +44,10 @@ class EngineConfig(BaseSettings):
     max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured as a graph")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="KV cache elements: 'auto' the model dtype; 'fp8' float8_e4m3fn with a per-layer scale "
+        "(1.0) for keys and one for values, half the bytes a block (twice the blocks in the same memory), where the "
+        "attention backend supports it")
     seed: int = Field(0, description="seeds the per-request seeds of requests that set none")
     num_threads: int | None = Field(None, ge=1, description="host threads, for backends that use them "
                                     "(default: the backend's choice)")

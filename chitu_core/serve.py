@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config = load_config(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    model_dir = resolve_model(config.model)
+    from chitu_core.plugins.discovery import get_backend
+
+    model_dir = resolve_model(config.model, keep_quantized="gguf" in get_backend(config.device).quant_methods())
     name = config.served_model_name or (Path(config.model).stem if config.model else embedded_model_name())
     engine_fields = {k: getattr(config, k) for k in EngineConfig.model_fields}
     llm = AsyncLLM(EngineConfig(**{**engine_fields, "model": model_dir}), process=config.engine_process)

@@ -158,17 +158,17 @@ def rms_norm_leaving_the_last_row_unwritten(x, weight, eps):
 class WritesPastItsSlots(ReferenceAttention):
     name = "past-slots"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None):
         values = kv_cache.view(2, -1, *kv_cache.shape[3:])[1]
         values[(meta.slot_mapping + 1).clamp(max=values.shape[0] - 1)] = 0.5  # off by one, then the right writes
-        return paged_attention(q, k, v, kv_cache, meta, scale)
+        return paged_attention(q, k, v, kv_cache, meta, scale, kv_scale)
 
 
 class WritesPastTheCache(ReferenceAttention):
     name = "past-cache"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        out = paged_attention(q, k, v, kv_cache, meta, scale)
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None):
+        out = paged_attention(q, k, v, kv_cache, meta, scale, kv_scale)
         kv_cache.as_strided((kv_cache.numel() + 3,), (1,), kv_cache.storage_offset())[-1] = 1.0
         return out
 
@@ -222,7 +222,8 @@ def test_planted_fault_fails_its_cases(fault):
 def test_the_unplanted_control_passes():
     results = run_in_process(PlantedBackend(), "rms_norm,silu_and_mul,attention*")
     assert {(r.row, r.status) for r in results} == {("rms_norm", "fallback"), ("silu_and_mul", "fallback"),
-                                                    ("attention/reference", "pass")}
+                                                    ("attention/reference", "pass"),
+                                                    ("attention/reference/fp8-kv", "pass")}
 
 
 # ----- end to end -----

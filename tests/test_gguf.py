@@ -140,6 +140,31 @@ def test_second_resolve_is_a_cache_hit(smollm2, monkeypatch):
     assert sorted(p.name for p in smollm2.parent.iterdir() if p.is_dir()) == [smollm2.name]  # no temp dir left
 
 
+def test_default_model_kept_quantized_stores_its_q4_1_blocks(smollm2):
+    """keep_quantized: the 210 Q4_1 matrices stay the file's blocks (un-permuted like the dense rows),
+    everything else is the dense conversion's tensor. (Running it needs a backend with "gguf":
+    tests/test_quant_gguf.py.)"""
+    import json
+
+    from chitu_core.quantization.gguf_blocks import Q4_1, dequantize
+
+    kept = Path(resolve_model(None, keep_quantized=True))
+    assert kept != smollm2 and kept.parent == smollm2.parent
+    qc = json.loads((kept / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gguf" and qc["modules_to_not_convert"] == []
+    assert len(qc["tensor_types"]) == 210 and set(qc["tensor_types"].values()) == {Q4_1}
+    ours, dense = load_file(kept / "model.safetensors"), load_file(smollm2 / "model.safetensors")
+    assert sorted(n.removesuffix(".qweight") + ".weight" if n.endswith(".qweight") else n for n in ours) == sorted(dense)
+    assert sorted(n.removesuffix(".qweight") + ".weight" for n in ours if n.endswith(".qweight")) == sorted(qc["tensor_types"])
+    for name, t in ours.items():
+        if name.endswith(".qweight"):
+            assert t.dtype == torch.uint8 and t.shape[1] * 32 == dense[name.replace(".qweight", ".weight")].shape[1] * 20
+            if ".layers.0." in name or ".layers.29." in name:  # all 210 would take ~10 s on a slow CPU
+                assert torch.equal(dequantize(t, Q4_1), dense[name.replace(".qweight", ".weight")]), name
+        else:
+            assert torch.equal(t, dense[name]), name
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-gguf")
@@ -152,6 +177,7 @@ def test_cache_key_follows_the_file(tiny_gguf, tmp_path):
     key = gguf_loader.cache_key(f)
     assert gguf_loader.cache_key(f) == key
     assert gguf_loader.cache_key(f, "bfloat16") != key
+    assert gguf_loader.cache_key(f, "float32", keep_quantized=True) != key
     st = f.stat()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched
     assert gguf_loader.cache_key(f) != key

@@ -228,7 +228,7 @@ def run_rows(backend, pattern: str, dtypes=(torch.float32,)):
 
 def test_conformance_rows_for_the_cpu_backend():
     cases, results = run_rows(CpuBackend(), "L=32 R=8 bs=16", (torch.float32, torch.float16))
-    assert {c.row for c in cases} == {"mla_attention/sdpa-mla"}
+    assert {c.row for c in cases} == {"mla_attention/sdpa-mla", "mla_attention/sdpa-mla/fp8-kv"}
     assert {c.params["block_size"] for c in cases} == set(CpuSdpaMLAAttention.block_sizes)
     assert {(c.params["num_heads"], c.params["kv_lora_rank"], c.params["rope_dim"]) for c in cases} == {
         (4, 32, 8), (16, 512, 64)}

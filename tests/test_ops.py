@@ -210,11 +210,12 @@ def log_softmax_cases(dtype):
 
 CASES = {name: globals()[f"{name}_cases"] for name in OP_NAMES if f"{name}_cases" in globals()}
 MOE_OPS = {"moe_route", "fused_experts"}  # tests/test_moe_ops.py: ids compared as sets, sums by NMSE
+QUANT_OPS = {"int4_linear", "int8_linear", "fp8_linear", "gguf_linear"}  # tests/test_quant_*.py, test_triton_*.py
 FLOAT32_ONLY = {"apply_top_k_top_p", "apply_min_p", "apply_penalties", "random_sample"}  # the contract takes float32 there
 
 
 def test_every_op_has_a_case():
-    assert set(CASES) | MOE_OPS == set(OP_NAMES)
+    assert set(CASES) | MOE_OPS | QUANT_OPS == set(OP_NAMES)
 
 
 @pytest.mark.parametrize(

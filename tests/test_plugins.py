@@ -236,17 +236,21 @@ def assert_stock(inv: dict) -> None:
                                 "contract_version", "device_count", "process_group_backend", "quant_methods",
                                 "graph_runner", "attention", "fallback_ops", "overridden_ops")} == {
         "distribution": "chitu-cpu", "version": "0.1.0", "loaded": True, "available": True, "reason": "",
-        "device_type": "cpu", "priority": 0, "contract_version": "1.1", "device_count": 1,
-        "process_group_backend": "gloo", "quant_methods": ["unquantized"], "graph_runner": False,
+        "device_type": "cpu", "priority": 0, "contract_version": "1.2", "device_count": 1,
+        "process_group_backend": "gloo", "quant_methods": ["awq", "fp8", "gptq", "int8", "unquantized"],
+        "graph_runner": False,
         "attention": list(declared.attention_backends()), "fallback_ops": fallbacks, "overridden_ops": {},
     }
     assert cpu["ops"] == {op: "fallback" if op in fallbacks else "native" for op in OP_NAMES}
     assert cpu["dtypes"] == [str(d).removeprefix("torch.") for d in declared.supported_dtypes()] and cpu["dtypes"]
     models = [m for m in inv["models"] if m["distribution"] == "chitu-models"]
     assert [(m["architecture"], m["loaded"]) for m in models] == [(a, True) for a in MODELS]
-    assert {"name": "unquantized", "origin": "chitu-core"} in inv["quant_methods"]
-    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.1"
+    assert inv["quant_methods"] == BUILT_IN_QUANT
+    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.2"
     assert inv["failures"] == []
+
+
+BUILT_IN_QUANT = [{"name": n, "origin": "chitu-core"} for n in ("awq", "fp8", "gguf", "gptq", "int8", "unquantized")]
 
 
 # --- 1, 2, 3: the stock distributions ---------------------------------------------------------
@@ -270,7 +274,7 @@ def test_wheels_carry_their_entry_points_and_packages(outside, wheels, third_par
     assert_stock(inv)
     assert [b["name"] for b in inv["backends"]] == ["cpu"]
     assert [m["architecture"] for m in inv["models"]] == MODELS
-    assert inv["quant_methods"] == [{"name": "unquantized", "origin": "chitu-core"}]
+    assert inv["quant_methods"] == BUILT_IN_QUANT
 
 
 def test_without_chitu_cpu_llm_says_what_to_install(outside, without_cpu, third_party, tiny_llama):
@@ -397,7 +401,7 @@ def test_chitu_plugins_limits_what_loads(outside, fixture_plugins, plugins, mode
     assert [b["name"] for b in inv["backends"]] == ["cpu"]
     assert [m["architecture"] for m in inv["models"]] == models
     assert inv["hook_plugins"] == [] and inv["failures"] == []
-    assert inv["quant_methods"] == [{"name": "unquantized", "origin": "chitu-core"}]
+    assert inv["quant_methods"] == BUILT_IN_QUANT
     assert inv["backends"][0]["overridden_ops"] == {} and "gelu_and_mul" in inv["backends"][0]["fallback_ops"]
 
 
@@ -508,4 +512,4 @@ def test_failing_hooks_are_named_and_do_not_break_the_listing(outside, misbehavi
     assert hooks["badhooks"]["error"] == "chitu_quant_methods() failed: RuntimeError: quant kernels missing"
     # Refused for its quant hook, the plugin is unregistered: its op hook never runs, cpu is fine.
     assert _by(inv["backends"])["cpu"]["available"] is True
-    assert [q["name"] for q in inv["quant_methods"]] == ["unquantized"]
+    assert inv["quant_methods"] == BUILT_IN_QUANT

@@ -12,6 +12,14 @@ A batch mixes sequences freely: a prefill is a sequence with several new
 tokens and no context, a decode one new token after a context, a chunked
 prefill several new tokens after a context. Tokens of all sequences are
 packed along one dimension T in sequence order.
+
+FP8 cache (contract 1.2): a backend class that sets ``supports_fp8_kv_cache``
+can keep its cache in float8_e4m3fn (``kv_cache_dtype="fp8"``; the format is
+``chitu_core.attention.fp8``'s). The engine then calls ``set_kv_cache_dtype("fp8")``
+right after construction, and every layer passes its float32 scales as the
+keyword ``kv_scale`` of ``forward`` (and ``rotary_and_write_kv``, ``attend``).
+Layers pass it only then, so a backend written for contract 1.0 or 1.1 keeps
+its signatures; asked for an fp8 cache, it is a one-line error naming it.
 """
 
 from abc import ABC, abstractmethod
@@ -19,6 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+from chitu_core.attention.fp8 import FP8_DTYPE, KV_CACHE_DTYPES
+from chitu_core.errors import ChituError
 
 Tensor = torch.Tensor
 
@@ -62,6 +73,12 @@ class PagedKVBackend(ABC):
     name: ClassVar[str] = "attention"
     block_sizes: ClassVar[tuple[int, ...]] = (16,)
     """Block sizes (tokens per block) this backend supports; the first is its default."""
+    supports_fp8_kv_cache: ClassVar[bool] = False
+    """Contract 1.2: whether this backend can keep its cache in float8_e4m3fn with per-layer scales
+    (see the module). A subclass whose support depends on the device also overrides
+    ``set_kv_cache_dtype`` to refuse where it cannot."""
+    num_kv_scales: ClassVar[int] = 2
+    """Scales of one layer's fp8 cache: keys and values (latent attention: 1)."""
 
     def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
         if block_size not in self.block_sizes:
@@ -69,19 +86,40 @@ class PagedKVBackend(ABC):
                 f"attention backend {self.name!r} supports block sizes {self.block_sizes}, not {block_size}"
             )
         self.block_size, self.dtype, self.device = block_size, dtype, device
+        self.kv_cache_dtype: torch.dtype = dtype
+        """The cache's element dtype: the model dtype, or float8_e4m3fn after ``set_kv_cache_dtype("fp8")``."""
+
+    def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Choose the cache's elements before any cache is allocated: "auto" (the model dtype) or "fp8"
+        (float8_e4m3fn). Raises ChituError for "fp8" where the class does not set ``supports_fp8_kv_cache``."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is none of {KV_CACHE_DTYPES}")
+        if kv_cache_dtype == "fp8" and not self.supports_fp8_kv_cache:
+            cls = type(self)
+            raise ChituError(f"attention backend {self.name!r} ({cls.__module__}.{cls.__qualname__}) does not support "
+                             "an fp8 KV cache (it does not set supports_fp8_kv_cache); use kv_cache_dtype='auto'")
+        self.kv_cache_dtype = FP8_DTYPE if kv_cache_dtype == "fp8" else self.dtype
+
+    def new_kv_scale(self) -> Tensor | None:
+        """One layer's scales for its fp8 cache: float32 [num_kv_scales] of ones (the default where a
+        checkpoint gives none), on the device; None for a cache of the model dtype. Layers keep it
+        and pass it to every call as ``kv_scale``."""
+        if self.kv_cache_dtype != FP8_DTYPE:
+            return None
+        return torch.ones(self.num_kv_scales, dtype=torch.float32, device=self.device)
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor holding ``num_blocks`` blocks."""
 
     def allocate_kv_cache(self, num_blocks: int) -> Tensor:
-        """One layer's cache tensor, zero-filled (so unwritten slots are never NaN)."""
-        return torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype, device=self.device)
+        """One layer's cache tensor of ``kv_cache_dtype``, zero-filled (so unwritten slots are never NaN)."""
+        return torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.kv_cache_dtype, device=self.device)
 
     def bytes_per_block(self) -> int:
-        """Bytes one block takes in one layer's cache."""
+        """Bytes one block takes in one layer's cache (half for an fp8 cache of a 16-bit model)."""
         per_block = torch.Size(self.kv_cache_shape(1)).numel()
-        return per_block * torch.empty((), dtype=self.dtype).element_size()
+        return per_block * self.kv_cache_dtype.itemsize
 
     def prepare(self, meta: AttentionMetadata) -> Any:
         """Derive per-step state once for all layers; stored in ``meta.backend_state``.
@@ -128,20 +166,28 @@ class AttentionBackend(PagedKVBackend):
 
     @abstractmethod
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+        kv_scale: Tensor | None = None,
     ) -> Tensor:
         """q: [T, num_heads, D]; k, v: [T, num_kv_heads, D]; kv_cache: this layer's cache.
 
         Writes k and v to ``meta.slot_mapping`` in the cache, then returns [T, num_heads, D]:
         for each new token, softmax(scale * q . K^T) V over its sequence's keys at positions
-        <= its own (context tokens and earlier new tokens), accumulated in float32."""
+        <= its own (context tokens and earlier new tokens), accumulated in float32.
+
+        An fp8 cache (contract 1.2): ``kv_scale`` is the layer's float32 [2] (key scale, value
+        scale); k and v are stored and read back as ``chitu_core.attention.fp8`` says, and K and V
+        above are the values read back. Never passed for a cache of the model dtype."""
 
     def rotary_and_write_kv(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor,
-                            is_neox: bool, kv_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+                            is_neox: bool, kv_cache: Tensor, meta: AttentionMetadata,
+                            kv_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Only where ``fuses_rotary``: the op ``rotary_embedding`` of q and k (returned), with the rotated
-        k and v written at ``meta.slot_mapping`` as ``forward`` would."""
+        k (rounded to k's dtype, as the op returns it) and v written at ``meta.slot_mapping`` as
+        ``forward`` would."""
         raise NotImplementedError(f"attention backend {self.name!r} does not fuse rotary embedding")
 
-    def attend(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+               kv_scale: Tensor | None = None) -> Tensor:
         """Only where ``fuses_rotary``: ``forward`` after the step's keys and values are in the cache."""
         raise NotImplementedError(f"attention backend {self.name!r} does not fuse rotary embedding")

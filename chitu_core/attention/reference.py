@@ -2,25 +2,33 @@
 
 Cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values).
 Vectorized over the batch: sequences are gathered from their block tables and
-padded to [B, max_len], never looped over in Python.
+padded to [B, max_len], never looped over in Python. An fp8 cache (contract 1.2)
+holds exactly what ``chitu_core.attention.fp8`` says, and is read back as it says,
+in the accumulation dtype: the oracle for every backend's fp8 cache.
 """
 
 import torch
 
+from chitu_core.attention import fp8
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 
 Tensor = torch.Tensor
 
 
-def write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+def write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor, kv_scale: Tensor | None = None) -> None:
     """Store new keys and values at their slots; kv_cache is [2, N, block_size, Hk, D]. Rows whose
-    slot is negative (padding) are not stored."""
+    slot is negative (padding) are not stored. An fp8 cache stores them quantized by ``kv_scale``
+    (float32 [2]: keys', values')."""
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    if fp8.is_fp8(kv_cache):  # copied as bytes: not every device's index_copy_ takes float8
+        fp8.check_scale(kv_cache, kv_scale, 2)
+        flat = flat.view(torch.uint8)
+        k, v = fp8.quantize(k, kv_scale[0]).view(torch.uint8), fp8.quantize(v, kv_scale[1]).view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
 def packed_to_padded_index(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -50,15 +58,18 @@ def causal_mask(meta: AttentionMetadata) -> Tensor:
     return (k_pos[None, None, :] <= q_abs[:, :, None]) & (k_pos[None, None, :] < meta.seq_lens.long()[:, None, None])
 
 
-def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+                    kv_scale: Tensor | None = None) -> Tensor:
     """The contract's ``forward`` computed literally (see AttentionBackend.forward)."""
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    write_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
     keys, values = gather_kv(kv_cache, meta)
     mask = causal_mask(meta)
     seq_idx, pos = packed_to_padded_index(meta)
     b, hq, d = meta.num_seqs, q.shape[1], q.shape[2]
     hk = keys.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if fp8.is_fp8(kv_cache):
+        keys, values = fp8.dequantize(keys, kv_scale[0], acc), fp8.dequantize(values, kv_scale[1], acc)
     q_pad = q.new_zeros(b, meta.max_query_len, hq, d)
     q_pad[seq_idx, pos] = q
     q_pad = q_pad.to(acc).view(b, meta.max_query_len, hk, hq // hk, d)
@@ -75,9 +86,10 @@ class ReferenceAttention(AttentionBackend):
 
     name = "reference"
     block_sizes = (16, 1, 8, 32, 64, 128)
+    supports_fp8_kv_cache = True
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        return paged_attention(q, k, v, kv_cache, meta, scale)
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None):
+        return paged_attention(q, k, v, kv_cache, meta, scale, kv_scale)

@@ -143,6 +143,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, load_progress=False,
         profile_steps=args.profile, max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 1),
         num_threads=args.threads, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
     )
     engine = llm.engine
     B, I, O = args.batch_size, args.input_len, args.output_len
@@ -171,6 +172,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(engine.device),
         "device_name": engine.backend.device_name(),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.quant.describe(),
         "threads": torch.get_num_threads(),
         "graphs": engine.runner.graphs is not None,
         "async_scheduling": engine.async_scheduling,
@@ -209,7 +211,8 @@ def render(r: dict[str, Any]) -> str:
         f"model    {r['model']}: {r['architecture']}, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
         f"heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv, vocab {c['vocab_size']}, "
         f"{c['num_parameters'] / 1e6:.1f}M parameters" + (", dummy weights" if r.get("load_format") == "dummy" else ""),
-        f"backend  {r['backend']} ({r['device']}), {r['dtype']}, {r['threads']} threads",
+        f"backend  {r['backend']} ({r['device']}), {r['dtype']}, {r['threads']} threads"
+        + (f", weights {r['quantization']}" if r.get("quantization", "unquantized") != "unquantized" else ""),
         f"batch    {r['batch_size']} x {r['input_len']} input tokens -> {r['output_len']} output tokens each, "
         f"temperature {r['temperature']}, {r['warmup']} warm-up run(s)",
         f"total    {r['total_s']:.3f} s for {r['output_tokens']} output tokens: {r['output_tok_per_s']:.1f} tok/s",
@@ -256,6 +259,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights drawn on the device from config.json alone (a directory from "
                         "`random-model --config-only`); with --peer hf, transformers draws its own")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4"],
+                        help="quantize the 16-bit (or dummy) weights while loading (quantized checkpoints need no flag)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts in the batch (B)")
     parser.add_argument("--input-len", type=int, default=128, help="tokens per prompt (I)")
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (O)")

@@ -7,6 +7,12 @@ prefills, decodes, chunked prefills, or a mix, after those contexts. Blocks come
 pool, block tables are padded with other sequences' block ids, last blocks are partly filled, and
 the cache is guarded (``guards.GuardedCache``): after every step only the blocks of that step's new
 tokens may have changed. Queries, keys, values and metadata are guarded operands.
+
+FP8 cache (contract 1.2), rows ``attention/NAME/fp8-kv``: the backend's cache in float8_e4m3fn with
+the plan's scales (a guarded operand too), against the same dense attention over the keys and
+values the reference's fp8 cache reads back (``chitu_core.attention.fp8``: quantized on the host,
+dequantized in float64), so that both sides carry the same rounding. Scales below 1 make some keys
+saturate. A backend class that does not set ``supports_fp8_kv_cache`` has these cases declined.
 """
 
 import math
@@ -15,6 +21,7 @@ from functools import partial
 
 import torch
 
+from chitu_core.attention import fp8
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 from chitu_core.attention.reference import ReferenceAttention
 from chitu_core.conformance.case import Case, Outcome, Perf, Target, randn, raised, time_call
@@ -37,6 +44,7 @@ class Plan:
     seqs: tuple[tuple[int, int], ...]
     scale: float | None = None  # None: 1/sqrt(head_dim)
     layout: str = "padded"  # of q, k and v: slices of a fused projection, or contiguous
+    kv_scale: tuple[float, float] | None = None  # an fp8 cache's (key, value) scales; None: the model dtype
 
 
 PLANS = [
@@ -55,6 +63,35 @@ PLANS = [
     Plan("long chunked", 8, 2, 128, ((2047, 64), (0, 3))),
 ]
 SWEEP = Plan("mixed", 4, 2, 64, ((0, 11), (20, 1), (37, 5)))  # run at every other block size a backend declares
+FP8_PLANS = [  # at the default block size only
+    Plan("mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), kv_scale=(0.0075, 0.02)),  # keys beyond 3.36 saturate
+    Plan("decode", 8, 1, 128, ((33, 1), (130, 1), (2, 1)), kv_scale=(1.0, 1.0)),
+    Plan("prefill", 4, 4, 64, ((0, 17), (0, 5)), layout="contiguous", kv_scale=(0.3, 0.05)),
+]
+
+
+def read_back(x: Tensor, kv_scale: float | None) -> Tensor:
+    """What a cache of the plan's kind gives back for x: x itself, or (fp8) x quantized and dequantized
+    by the reference, in float64."""
+    if kv_scale is None:
+        return x
+    scale = torch.tensor(kv_scale, dtype=torch.float32)
+    return fp8.dequantize(fp8.quantize(x, scale), scale, torch.float64)
+
+
+def fp8_row(plan, row: str, label: str, params: dict) -> tuple[str, str]:
+    """An fp8-cache plan's row and label, its params saying kv_cache_dtype "fp8"; other plans' as they are."""
+    if plan.kv_scale is None:
+        return row, label
+    params["kv_cache_dtype"] = "fp8"
+    return f"{row}/fp8-kv", f"{label} kv_scale={plan.kv_scale}"
+
+
+def fp8_declined(attn_cls: type, plan) -> str:
+    """Why an fp8-cache plan is not run on ``attn_cls`` ("" where it runs)."""
+    if plan.kv_scale is None or attn_cls.supports_fp8_kv_cache:
+        return ""
+    return f"{attn_cls.__name__} does not set supports_fp8_kv_cache (contract 1.2)"
 
 
 def allocate_blocks(gen: torch.Generator, lens: list[int], block_size: int, spare: int = 3) -> tuple[Tensor, int]:
@@ -108,13 +145,18 @@ class Step:
                                                                       "context_lens", "query_start_loc")]
         self.meta = AttentionMetadata(*(g.view for g in self.meta_guards), meta.max_query_len, meta.max_seq_len,
                                       meta.block_size)
+        if plan.kv_scale is not None:
+            self.meta_guards.append(guard(torch.tensor(plan.kv_scale, dtype=torch.float32), device))
         self.slots = meta.slot_mapping
         self.bounds = meta.query_start_loc.tolist()
         self.attn, self.cache, self.scale = attn, cache, plan.scale or 1 / math.sqrt(d)
+        self.kv_scale = plan.kv_scale
 
     def call(self) -> Tensor:
         q, k, v = (g.view for g in self.operands)
-        return self.attn.forward(q, k, v, self.cache.cache, self.meta, self.scale)
+        if self.kv_scale is None:
+            return self.attn.forward(q, k, v, self.cache.cache, self.meta, self.scale)
+        return self.attn.forward(q, k, v, self.cache.cache, self.meta, self.scale, kv_scale=self.meta_guards[-1].view)
 
     def run(self) -> tuple[Tensor | None, str]:
         """(output, problem): prepare and forward, then the guards."""
@@ -125,7 +167,7 @@ class Step:
         except Exception as exc:  # the backend's own failure is the case's result
             return None, raised(exc, "attention").verdict.detail
         for name, g in zip(("q", "k", "v", "slot_mapping", "block_tables", "seq_lens", "context_lens",
-                            "query_start_loc"), self.operands + self.meta_guards):
+                            "query_start_loc", "kv_scale"), self.operands + self.meta_guards):
             if problem := g.changed():
                 return None, f"attention wrote into its operand `{name}`: {problem}"
         if problem := self.cache.check_writes(before, self.slots, self.attn.block_size):
@@ -134,8 +176,12 @@ class Step:
         return out, check_tensor(out, shape, self.host[0].dtype, self.operands[0].view.device, "output")
 
     def per_sequence(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Sequence i's queries, and its keys and values as the cache gives them back."""
         a, b = self.bounds[i], self.bounds[i + 1]
-        return tuple(t[a:b] for t in self.host)
+        q, k, v = (t[a:b] for t in self.host)
+        if self.kv_scale is None:
+            return q, k, v
+        return q, read_back(k, self.kv_scale[0]), read_back(v, self.kv_scale[1])
 
 
 def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan, block_size: int,
@@ -143,6 +189,7 @@ def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan
     gen, device, dtype = case.generator(), target.device, case.dtype
     try:
         attn = attn_cls(plan.num_heads, plan.num_kv_heads, plan.head_dim, block_size, dtype, device)
+        attn.set_kv_cache_dtype("auto" if plan.kv_scale is None else "fp8")
         contexts, news = [c for c, _ in plan.seqs], [n for _, n in plan.seqs]
         tables, num_blocks = allocate_blocks(gen, [c + n for c, n in plan.seqs], block_size)
         cache = GuardedCache.allocate(attn, num_blocks)
@@ -184,16 +231,16 @@ def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan
         verdicts.append(compare(out[step.bounds[b] : step.bounds[b + 1]], want, threshold, f"step 2 sequence {b}"))
     perf = None
     if target.perf is not None:
-        perf = _time(target, step, plan, dtype)
+        perf = _time(target, step, plan, dtype, cache.cache.element_size())
     return Outcome(worst(verdicts), source, perf)
 
 
-def _time(target: Target, step: Step, plan: Plan, dtype: torch.dtype) -> Perf:
+def _time(target: Target, step: Step, plan: Plan, dtype: torch.dtype, cache_item: int) -> Perf:
     hq, hk, d = plan.num_heads, plan.num_kv_heads, plan.head_dim
     item = torch.empty((), dtype=dtype).element_size()
     tokens = sum(n for _, n in plan.seqs)
     keys = sum(c + n for c, n in plan.seqs)
-    moved = item * (tokens * (2 * hq + 2 * hk) * d + keys * 2 * hk * d)
+    moved = item * tokens * (2 * hq + 2 * hk) * d + cache_item * keys * 2 * hk * d
     flops = sum(4 * n * (c + (n + 1) / 2) * hq * d for c, n in plan.seqs)
     return time_call(target, step.call, moved, int(flops))
 
@@ -205,7 +252,8 @@ def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
     cases = []
     for name, cls in backends.items():
         default = cls.block_sizes[0]
-        plans = [(p, default) for p in PLANS] + [(SWEEP, bs) for bs in cls.block_sizes[1:]]
+        plans = ([(p, default) for p in PLANS] + [(SWEEP, bs) for bs in cls.block_sizes[1:]]
+                 + [(p, default) for p in FP8_PLANS])
         for dtype in dtypes:
             for plan, bs in plans:
                 params = {"backend": name, "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads,
@@ -215,6 +263,8 @@ def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
                 lens = ",".join(f"{c}+{n}" for c, n in plan.seqs)
                 label = (f"{plan.kind} Hq={plan.num_heads} Hk={plan.num_kv_heads} D={plan.head_dim} bs={bs} "
                          f"ctx+new={lens}" + (f" scale={plan.scale}" if plan.scale else ""))
-                cases.append(Case(f"attention/{name}", "attention", "attention", dtype, params, label,
-                                  partial(run_attention_case, cls, source, plan, bs)))
+                row, label = fp8_row(plan, f"attention/{name}", label, params)
+                cases.append(Case(row, "attention", "attention", dtype, params, label,
+                                  partial(run_attention_case, cls, source, plan, bs),
+                                  declined=fp8_declined(cls, plan)))
     return cases

@@ -10,6 +10,10 @@ guarded (only the blocks of a step's new tokens may change) and so are the opera
 A case may end its step-2 batch with padding rows as decode graphs send them: slot -1 (nothing may
 be written), one token, sequence length 1; their outputs are ignored but must be finite.
 Geometries: DeepSeek-V2-Lite (16 heads, L = 512, R = 64) and a small one (4 heads, L = 32, R = 8).
+
+FP8 cache (contract 1.2), rows ``mla_attention/NAME/fp8-kv``: as for paged attention
+(``attention_cases``), the oracle attends over the latents the reference's fp8 cache reads back,
+with the plan's one scale for the whole row (a guarded operand).
 """
 
 import math
@@ -20,7 +24,15 @@ import torch
 
 from chitu_core.attention.contract import AttentionMetadata
 from chitu_core.attention.mla import MLAAttentionBackend, ReferenceMLAAttention
-from chitu_core.conformance.attention_cases import CHECKED_CONTEXT, CHUNK, allocate_blocks, metadata
+from chitu_core.conformance.attention_cases import (
+    CHECKED_CONTEXT,
+    CHUNK,
+    allocate_blocks,
+    fp8_declined,
+    fp8_row,
+    metadata,
+    read_back,
+)
 from chitu_core.conformance.case import Case, Outcome, Perf, Target, randn, raised, time_call
 from chitu_core.conformance.compare import Verdict, check_tensor, compare, worst
 from chitu_core.conformance.guards import GuardedCache, guard
@@ -41,6 +53,7 @@ class Plan:
     padding: int = 0
     scale: float | None = None  # None: 1/sqrt(L + R)
     layout: str = "padded"  # of q and the latents: slices of a fused projection, or contiguous
+    kv_scale: float | None = None  # an fp8 cache's scale; None: the model dtype
 
 
 PLANS = [
@@ -59,6 +72,11 @@ PLANS = [
 SWEEPS = [  # run at every other block size a backend declares (the second: at 64 only, FlashMLA's page size)
     (Plan("mixed", 4, 32, 8, ((0, 11), (20, 1), (37, 5)), padding=1), None),
     (Plan("mixed", 16, 512, 64, ((0, 9), (70, 1), (33, 4))), 64),
+]
+FP8_PLANS = [  # at the default block size only
+    Plan("mixed", 4, 32, 8, ((0, 11), (20, 1), (37, 5)), padding=1, kv_scale=0.0075),  # beyond 3.36 saturates
+    Plan("decode", 4, 32, 8, ((1, 1), (70, 1), (16, 1)), kv_scale=1.0),
+    Plan("mixed", 16, 512, 64, ((0, 9), (70, 1), (33, 4)), scale=192**-0.5, kv_scale=0.02),
 ]
 
 
@@ -86,13 +104,18 @@ class Step:
                                                                       "context_lens", "query_start_loc")]
         self.meta = AttentionMetadata(*(g.view for g in self.meta_guards), meta.max_query_len, meta.max_seq_len,
                                       meta.block_size)
+        if plan.kv_scale is not None:
+            self.meta_guards.append(guard(torch.tensor([plan.kv_scale], dtype=torch.float32), device))
         self.slots = meta.slot_mapping[meta.slot_mapping >= 0]
         self.bounds, self.real = meta.query_start_loc.tolist(), sum(news)
         self.attn, self.cache, self.scale = attn, cache, plan.scale or 1 / math.sqrt(width)
+        self.kv_scale = plan.kv_scale
 
     def call(self) -> Tensor:
         q, latent = (g.view for g in self.operands)
-        return self.attn.forward(q, latent, self.cache.cache, self.meta, self.scale)
+        if self.kv_scale is None:
+            return self.attn.forward(q, latent, self.cache.cache, self.meta, self.scale)
+        return self.attn.forward(q, latent, self.cache.cache, self.meta, self.scale, kv_scale=self.meta_guards[-1].view)
 
     def run(self) -> tuple[Tensor | None, str]:
         """(output, problem): prepare and forward, then the guards."""
@@ -103,7 +126,7 @@ class Step:
         except Exception as exc:  # the backend's own failure is the case's result
             return None, raised(exc, "MLA attention").verdict.detail
         for name, g in zip(("q", "latent", "slot_mapping", "block_tables", "seq_lens", "context_lens",
-                            "query_start_loc"), self.operands + self.meta_guards):
+                            "query_start_loc", "kv_scale"), self.operands + self.meta_guards):
             if problem := g.changed():
                 return None, f"MLA attention wrote into its operand `{name}`: {problem}"
         if problem := self.cache.check_writes(before, self.slots, self.attn.block_size):
@@ -117,8 +140,9 @@ class Step:
         return out, ""
 
     def per_sequence(self, i: int) -> tuple[Tensor, Tensor]:
+        """Sequence i's queries, and its latents as the cache gives them back."""
         a, b = self.bounds[i], self.bounds[i + 1]
-        return tuple(t[a:b] for t in self.host)
+        return self.host[0][a:b], read_back(self.host[1][a:b], self.kv_scale)
 
 
 def run_mla_case(attn_cls: type[MLAAttentionBackend], source: str, plan: Plan, block_size: int, case: Case,
@@ -127,6 +151,7 @@ def run_mla_case(attn_cls: type[MLAAttentionBackend], source: str, plan: Plan, b
     contexts, news = [c for c, _ in plan.seqs], [n for _, n in plan.seqs]
     try:
         attn = attn_cls(plan.num_heads, plan.kv_lora_rank, plan.rope_dim, block_size, dtype, device)
+        attn.set_kv_cache_dtype("auto" if plan.kv_scale is None else "fp8")
         tables, num_blocks = allocate_blocks(gen, [c + n for c, n in plan.seqs] + [1] * plan.padding, block_size)
         cache = GuardedCache.allocate(attn, num_blocks)
     except Exception as exc:  # construction is part of what the backend declared it supports
@@ -162,16 +187,16 @@ def run_mla_case(attn_cls: type[MLAAttentionBackend], source: str, plan: Plan, b
         q, latent = step.per_sequence(b)
         want = dense_mla(q, torch.cat(written[b] + [latent]), contexts[b], step.scale, lora)
         verdicts.append(compare(out[step.bounds[b] : step.bounds[b + 1]], want, threshold, f"step 2 sequence {b}"))
-    perf = _time(target, step, plan, dtype) if target.perf is not None else None
+    perf = _time(target, step, plan, dtype, cache.cache.element_size()) if target.perf is not None else None
     return Outcome(worst(verdicts), source, perf)
 
 
-def _time(target: Target, step: Step, plan: Plan, dtype: torch.dtype) -> Perf:
+def _time(target: Target, step: Step, plan: Plan, dtype: torch.dtype, cache_item: int) -> Perf:
     h, lora, width = plan.num_heads, plan.kv_lora_rank, plan.kv_lora_rank + plan.rope_dim
     item = torch.empty((), dtype=dtype).element_size()
     tokens = sum(n for _, n in plan.seqs) + plan.padding
     keys = sum(c + n for c, n in plan.seqs) + plan.padding
-    moved = item * (tokens * (h * (width + lora) + width) + keys * width)
+    moved = item * tokens * (h * (width + lora) + width) + cache_item * keys * width
     flops = sum(2 * n * (c + (n + 1) / 2) * h * (width + lora) for c, n in plan.seqs)
     return time_call(target, step.call, moved, int(flops))
 
@@ -183,8 +208,8 @@ def mla_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
     cases = []
     for name, cls in backends.items():
         default = cls.block_sizes[0]
-        plans = [(p, default) for p in PLANS] + [(p, bs) for p, only in SWEEPS for bs in cls.block_sizes[1:]
-                                                 if only in (None, bs)]
+        plans = ([(p, default) for p in PLANS] + [(p, bs) for p, only in SWEEPS for bs in cls.block_sizes[1:]
+                                                  if only in (None, bs)] + [(p, default) for p in FP8_PLANS])
         for dtype in dtypes:
             for plan, bs in plans:
                 params = {"backend": name, "num_heads": plan.num_heads, "kv_lora_rank": plan.kv_lora_rank,
@@ -194,6 +219,7 @@ def mla_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
                 lens = ",".join(f"{c}+{n}" for c, n in plan.seqs) + (f",pad*{plan.padding}" if plan.padding else "")
                 label = (f"{plan.kind} H={plan.num_heads} L={plan.kv_lora_rank} R={plan.rope_dim} bs={bs} "
                          f"ctx+new={lens}" + (f" scale={plan.scale:.4g}" if plan.scale else ""))
-                cases.append(Case(f"mla_attention/{name}", "mla_attention", "attention", dtype, params, label,
-                                  partial(run_mla_case, cls, source, plan, bs)))
+                row, label = fp8_row(plan, f"mla_attention/{name}", label, params)
+                cases.append(Case(row, "mla_attention", "attention", dtype, params, label,
+                                  partial(run_mla_case, cls, source, plan, bs), declined=fp8_declined(cls, plan)))
     return cases

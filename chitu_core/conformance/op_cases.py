@@ -4,7 +4,7 @@ Operands are fresh random values in the case's dtype, never zeros: sizes of 1, o
 both sides of common kernel dispatch points (16, 1024, 4096 and their neighbours), and every
 tensor handed over in a guarded buffer (``guards``), contiguous or not. The sampling filters'
 cases keep every top-p and min-p boundary far from rounding, so that their masks are exact. The
-mixture-of-experts ops' cases live in ``moe_cases``.
+mixture-of-experts ops' cases live in ``moe_cases``, the quantized linears' in ``quant_op_cases``.
 """
 
 import inspect
@@ -18,6 +18,7 @@ from chitu_core.conformance.case import Case, Outcome, Target, nbytes, randn, ra
 from chitu_core.conformance.compare import Verdict, check_tensor, compare, compare_argmax, worst
 from chitu_core.conformance.guards import guard, poison_allocator
 from chitu_core.conformance.moe_cases import by_expert_id, fused_experts, fused_experts_full_size, moe_route
+from chitu_core.conformance.quant_op_cases import fp8_linear, gguf_linear, int4_linear, int8_linear  # noqa: F401
 from chitu_core.conformance.thresholds import OP_FAMILY
 from chitu_core.ops import reference
 from chitu_core.ops.spec import OP_NAMES, OpSet

@@ -1,11 +1,13 @@
 """Quantization methods: every method a backend declares, run through its whole life on the backend.
 
-For each method, ``create_weights`` builds a layer on the backend's device in the case dtype and
-another on the CPU in float64; every parameter is filled with random values (floating ones from a
-normal law scaled by 1/sqrt(in_features), integer ones with random bits), copied to the float64
-layer, and both go through ``process_weights_after_loading`` and ``apply``: the backend's with its
-resolved ops, the oracle with the reference ops. For ``unquantized`` the oracle is the reference
-dense matmul itself. Methods registered but not declared by the backend are reported unsupported.
+For each method and each of its ``conformance_options()`` (over the backend's ``quant_preferences``:
+each variant runs as labelled, whatever the engine would pick), a random float32 weight W [N, K] is quantized by the method's own
+``quantize`` into checkpoint tensors; a layer on the backend's device (case dtype) and another on
+the CPU both get those tensors, go through ``process_weights_after_loading`` and ``apply``: the
+backend's with its resolved ops, the oracle with the reference ops on float64 activations. A method
+that cannot quantize (one written for contract 1.0) gets random values in every parameter instead
+(floating ones from a normal law scaled by 1/sqrt(in_features), integer ones with random bits).
+Methods registered but not declared by the backend are reported unsupported.
 """
 
 from functools import partial
@@ -18,8 +20,11 @@ from chitu_core.conformance.compare import Verdict, check_tensor, compare
 from chitu_core.conformance.guards import guard
 from chitu_core.ops.table import resolve_ops
 from chitu_core.quantization import get_quant_method, quant_method_names
+from chitu_core.quantization.params import copy_span
 
 SHAPES = [(1, 64, 96, False), (7, 129, 33, True), (33, 512, 256, False), (16, 1024, 1024, True)]
+QUANT_SHAPES = [(1, 256, 96, False), (7, 512, 40, True), (33, 1024, 264, False), (16, 4096, 512, True)]
+"""Quantized formats need K to be whole groups or blocks (256 covers GGUF's K-quants) and N whole int32 words."""
 REFERENCE_OPS = resolve_ops("reference", {})
 
 
@@ -39,25 +44,36 @@ def _fill(layer: nn.Module, gen: torch.Generator, in_features: int) -> dict[str,
 
 
 def _load(layer: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    params = dict(list(layer.named_parameters()) + list(layer.named_buffers()))
+    if set(values) != set(params):
+        raise ValueError(f"quantize() returned tensors {sorted(values)}, the layer has parameters {sorted(params)}")
     with torch.no_grad():
-        for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
-            t.copy_(values[name])
+        for name, t in params.items():
+            copy_span(t, values[name].to(t.device), None, None, None, f"parameter {name!r}")
 
 
-def run_quant_case(method_name: str, shape: tuple, case: Case, target: Target) -> Outcome:
+def run_quant_case(method_name: str, options: dict, shape: tuple, case: Case, target: Target) -> Outcome:
     m, k, n, bias = shape
     gen, device, dtype = case.generator(), target.device, case.dtype
     try:
         method_cls = get_quant_method(method_name)
+        options = {**target.backend.quant_preferences(method_name), **options}  # each variant as labelled
         layer, oracle_layer = nn.Module(), nn.Module()
-        method, oracle_method = method_cls(), method_cls()
+        method, oracle_method = method_cls(options), method_cls(options)
         method.create_weights(layer, k, n, dtype, device)
-        oracle_method.create_weights(oracle_layer, k, n, torch.float64, torch.device("cpu"))
-        values = _fill(layer, gen, k)
+        oracle_method.create_weights(oracle_layer, k, n, dtype, torch.device("cpu"))
+        try:
+            values = oracle_method.quantize(randn(gen, n, k, scale=k**-0.5))
+        except NotImplementedError:
+            values = _fill(layer, gen, k)
         _load(layer, values)
         _load(oracle_layer, values)
         method.process_weights_after_loading(layer)
         oracle_method.process_weights_after_loading(oracle_layer)
+        with torch.no_grad():  # the oracle computes in float64 on the same values
+            for t in list(oracle_layer.parameters()) + list(oracle_layer.buffers()):
+                if t.is_floating_point():
+                    t.data = t.data.double()
     except Exception as exc:  # the method's own failure is the case's result
         return raised(exc, f"quantization method {method_name!r}")
     x = randn(gen, m, k, dtype=dtype)
@@ -85,16 +101,27 @@ def run_quant_case(method_name: str, shape: tuple, case: Case, target: Target) -
     return Outcome(verdict, source, perf)
 
 
+def _describe(options: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in options.items())
+
+
 def quant_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
     declared = set(backend.quant_methods())
     cases = []
     for name in sorted(set(quant_method_names()) | declared):
-        for dtype in dtypes:
-            for shape in SHAPES:
-                m, k, n, bias = shape
-                params = {"method": name, "m": m, "k": k, "n": n, "bias": bias}
-                declined = "" if name in declared else f"{name!r} is not in the backend's quant_methods()"
-                cases.append(Case(f"quant/{name}", "quant", "quant", dtype, params,
-                                  f"M={m} K={k} N={n}{' bias' if bias else ''}", partial(run_quant_case, name, shape),
-                                  declined=declined))
+        try:
+            variants = get_quant_method(name).conformance_options()
+        except Exception:  # an unknown declared name: its case reports the error
+            variants = [{}]
+        shapes = SHAPES if name == "unquantized" else QUANT_SHAPES
+        for options in variants:
+            for dtype in dtypes:
+                for shape in shapes:
+                    m, k, n, bias = shape
+                    params = {"method": name, "m": m, "k": k, "n": n, "bias": bias, **options}
+                    declined = "" if name in declared else f"{name!r} is not in the backend's quant_methods()"
+                    label = f"{_describe(options) + ' ' if options else ''}M={m} K={k} N={n}{' bias' if bias else ''}"
+                    family = "quant" if name == "unquantized" else "quant_matmul"  # methods calling quantized ops
+                    cases.append(Case(f"quant/{name}", "quant", family, dtype, params, label,
+                                      partial(run_quant_case, name, options, shape), declined=declined))
     return cases

@@ -114,7 +114,10 @@ class AsyncLLM:
             self._process.join(5)
             raise ChituError(f"the engine process could not start: {info}")
         self.max_model_len = info["max_model_len"]
-        self.tokenizer = open_model_dir(resolve_model(config.model)).tokenizer()  # for the server's side
+        from chitu_core.plugins.discovery import get_backend
+
+        keep_gguf = "gguf" in get_backend(config.device).quant_methods()  # the directory the engine process made
+        self.tokenizer = open_model_dir(resolve_model(config.model, keep_quantized=keep_gguf)).tokenizer()  # for the server's side
         self._thread = threading.Thread(target=self._read_outputs, name="chitu-engine-reader", daemon=True)
         self._thread.start()
 

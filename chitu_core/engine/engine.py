@@ -34,6 +34,7 @@ from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.model import KVGeometry
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
+from chitu_core.quantization.select import select_quantization, apply_layer_choices
 from chitu_core.sampling.grammar import Constraints, GrammarCache
 from chitu_core.sampling.params import SamplingParams
 from chitu_core.sampling.sampler import Sampler
@@ -52,15 +53,20 @@ def _resolve_dtype(requested: str, checkpoint: torch.dtype | None, supported: tu
 
 
 def build_attention(backend, geometry: KVGeometry, block_size: int | None, dtype: torch.dtype,
-                    device: torch.device) -> PagedKVBackend:
+                    device: torch.device, kv_cache_dtype: str = "auto") -> PagedKVBackend:
     """The backend's default attention of the geometry's kind (regular or latent), or the core's
-    reference where the backend declares none."""
+    reference where the backend declares none, with its cache in ``kv_cache_dtype`` ("auto": the
+    model dtype; "fp8": a ChituError naming the attention backend where it does not support one)."""
     if geometry.is_mla:
         cls = next(iter(backend.mla_attention_backends().values()), ReferenceMLAAttention)
-        return cls(geometry.num_heads, geometry.kv_lora_rank, geometry.rope_dim,
-                   block_size or cls.block_sizes[0], dtype, device)
-    cls = next(iter(backend.attention_backends().values()), ReferenceAttention)
-    return cls(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, block_size or cls.block_sizes[0], dtype, device)
+        attention = cls(geometry.num_heads, geometry.kv_lora_rank, geometry.rope_dim,
+                        block_size or cls.block_sizes[0], dtype, device)
+    else:
+        cls = next(iter(backend.attention_backends().values()), ReferenceAttention)
+        attention = cls(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
+                        block_size or cls.block_sizes[0], dtype, device)
+    attention.set_kv_cache_dtype(kv_cache_dtype)
+    return attention
 
 
 @dataclass
@@ -93,17 +99,26 @@ class LLMEngine:
         self.device = self.backend.device(self.device_index)
         self.backend.set_device(self.device_index)
         self.ops = backend_ops(self.backend)
-        model_dir = open_model_dir(resolve_model(config.model), require_weights=config.load_format == "auto")
+        # A GGUF file stays quantized where the backend runs GGUF blocks, else it is dequantized once.
+        keep_gguf = "gguf" in self.backend.quant_methods()
+        model_dir = open_model_dir(resolve_model(config.model, keep_quantized=keep_gguf),
+                                   require_weights=config.load_format == "auto")
         hf_config = model_dir.config
         model_cls = load_model_class(model_dir.architecture)
         self.dtype = _resolve_dtype(config.dtype, model_dir.config_dtype(), self.backend.supported_dtypes(), self.backend.name)
         self.comm = Communicator.from_env(self.backend.process_group_backend())
 
         geometry = model_cls.kv_geometry(hf_config, self.comm.world_size)
-        self.attention = build_attention(self.backend, geometry, config.block_size, self.dtype, self.device)
+        self.attention = build_attention(self.backend, geometry, config.block_size, self.dtype, self.device,
+                                         config.kv_cache_dtype)
         block_size = self.attention.block_size
-        ctx = BuildContext(self.ops, self.attention, self.comm, self.dtype, self.device)
+        self.quant = select_quantization(hf_config, config.quantization, self.backend)
+        ctx = BuildContext(self.ops, self.attention, self.comm, self.dtype, self.device, self.quant)
         self.model = model_cls(hf_config, ctx)
+        unfused: dict[str, tuple[str, ...]] = {}
+        for fused, part, _ in getattr(self.model, "stacked_params", ()):  # spelled ".qkv_proj.", ".q_proj."
+            unfused[fused.strip(".")] = unfused.get(fused.strip("."), ()) + (part.strip("."),)
+        apply_layer_choices(self.model, self.quant, unfused)
         if config.load_format == "dummy":
             fill_dummy_weights(self.model, config.seed)
         else:

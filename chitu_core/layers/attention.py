@@ -7,11 +7,16 @@ from chitu_core.layers.context import BuildContext, StepContext
 
 
 class Attention(nn.Module):
+    """One layer's attention. Where the backend's cache is fp8 (contract 1.2) the layer keeps its
+    scales (``kv_scale``, float32 [2]: keys, values; 1.0 until checkpoint scales are loaded) and
+    passes them to every backend call; otherwise it calls the backend as contract 1.0 does."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, ctx: BuildContext):
         super().__init__()
         self.backend = ctx.attention
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx, self.scale = layer_idx, head_dim**-0.5
+        self.register_buffer("kv_scale", self.backend.new_kv_scale(), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepContext,
                 rotary=None, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -19,12 +24,13 @@ class Attention(nn.Module):
         ``positions``, q and k are rotated first: by the backend in its cache write where it fuses
         the two, else by the rotary layer's op."""
         cache = step.kv_caches[self.layer_idx]
+        fp8 = {} if self.kv_scale is None else {"kv_scale": self.kv_scale}
         if rotary is not None and self.backend.fuses_rotary:
             q, _ = self.backend.rotary_and_write_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, cache,
-                                                    step.meta)
-            out = self.backend.attend(q, cache, step.meta, self.scale)
+                                                    step.meta, **fp8)
+            out = self.backend.attend(q, cache, step.meta, self.scale, **fp8)
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)
-            out = self.backend.forward(q, k, v, cache, step.meta, self.scale)
+            out = self.backend.forward(q, k, v, cache, step.meta, self.scale, **fp8)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

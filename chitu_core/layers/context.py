@@ -1,6 +1,6 @@
 """What layers are built with (BuildContext) and what a forward pass carries (StepContext)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -8,7 +8,8 @@ from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 from chitu_core.attention.mla import MLAAttentionBackend
 from chitu_core.distributed.communicator import Communicator
 from chitu_core.ops.table import Ops
-from chitu_core.quantization import QuantMethod, get_quant_method
+from chitu_core.quantization import QuantMethod
+from chitu_core.quantization.select import QuantSpec
 
 
 @dataclass
@@ -21,7 +22,7 @@ class BuildContext:
     comm: Communicator
     dtype: torch.dtype
     device: torch.device
-    quant_method: str = "unquantized"
+    quant: QuantSpec = field(default_factory=QuantSpec)
 
     @property
     def tp_rank(self) -> int:
@@ -32,7 +33,7 @@ class BuildContext:
         return self.comm.world_size
 
     def new_quant_method(self) -> QuantMethod:
-        return get_quant_method(self.quant_method)()
+        return self.quant.new_method()
 
 
 @dataclass

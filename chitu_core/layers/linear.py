@@ -2,14 +2,21 @@
 
 Column-split layers hold rows [rank*n, (rank+1)*n) of the output features;
 row-split layers hold a slice of the input features and sum partial outputs
-with an all-reduce. Weights are created by the layer's quantization method.
+with an all-reduce. Weights are created by the layer's quantization method, and
+every parameter is sliced by the dimensions it declares (``quantization.params``),
+so the same loaders serve dense and quantized checkpoints.
 """
+
+from fractions import Fraction
+from math import ceil
 
 import torch
 from torch import nn
 
 from chitu_core.layers.context import BuildContext
-from chitu_core.layers.weights import check_shape, narrow_rank, set_loader
+from chitu_core.layers.weights import check_shape, set_loader
+from chitu_core.quantization import QuantMethod
+from chitu_core.quantization.params import copy_span, per_tensor_value, stored_span
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -18,17 +25,46 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def _full_shape(param: nn.Parameter, along: str, features: int) -> tuple[int, ...]:
+    """The checkpoint shape of ``param`` when ``features`` run along its ``along`` dimension."""
+    shape = list(param.shape)
+    dim = getattr(param, f"{along}_dim", None)
+    if dim is not None:
+        shape[dim] = ceil(Fraction(features) / Fraction(getattr(param, f"{along}_pack", 1)))
+    return tuple(shape)
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, ctx: BuildContext):
         super().__init__()
         self.ops, self.comm = ctx.ops, ctx.comm
         self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
-        self.quant = ctx.new_quant_method()
-        self.quant.create_weights(self, in_features, out_features, ctx.dtype, ctx.device)
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype, self.device = ctx.dtype, ctx.device
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
+            self.bias.out_dim, self.bias.out_pack = 0, 1
         else:
             self.register_parameter("bias", None)
+        self.set_quant_method(ctx.new_quant_method())
+
+    def set_quant_method(self, method: QuantMethod) -> None:
+        """(Re)create the weights with ``method`` (e.g. unquantized for a layer a checkpoint leaves so)."""
+        for name, _ in list(self.named_parameters(recurse=False)):
+            if name != "bias":
+                delattr(self, name)
+        self.quant = method
+        method.create_weights(self, self.in_features, self.out_features, self.dtype, self.device)
+        for param in self.parameters(recurse=False):
+            self.attach_loader(param)
+
+    def attach_loader(self, param: nn.Parameter) -> None:
+        """Give ``param`` its weight loader; here (a replicated linear) one that copies the whole tensor."""
+        set_loader(param, self.load_whole)
+
+    def load_whole(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        loaded = per_tensor_value(param, loaded)
+        copy_span(param, loaded, None, None, None, "replicated linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant.apply(self, x, self.bias, self.ops)
@@ -40,30 +76,51 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, ctx: BuildContext, bias: bool = False):
         self.local_out = _divide(out_features, ctx.tp_size, "out_features")
         super().__init__(in_features, self.local_out, bias, ctx)
-        for p in self.parameters():
-            set_loader(p, self.load_shard)
+
+    def attach_loader(self, param):
+        set_loader(param, self.load_shard)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        check_shape(loaded.shape, (self.local_out * self.tp_size, *param.shape[1:]), "column-split linear")
-        param.data.copy_(narrow_rank(loaded, 0, self.tp_rank, self.local_out))
+        loaded = per_tensor_value(param, loaded)
+        if loaded.dim():
+            check_shape(loaded.shape, _full_shape(param, "out", self.local_out * self.tp_size), "column-split linear")
+        span = stored_span(param, self.tp_rank * self.local_out, self.local_out, "out", "column-split linear")
+        copy_span(param, loaded, getattr(param, "out_dim", None), None, span, "column-split linear")
 
 
-class MergedColumnParallelLinear(LinearBase):
+class _FusedColumns(LinearBase):
+    """Column-split parts stored one after another in each parameter: part -> (offset, size, full size, rank)."""
+
+    parts: dict
+
+    def attach_loader(self, param):
+        set_loader(param, self.load_shard, tuple(self.parts))
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        loaded = per_tensor_value(param, loaded)
+        offset, size, full, rank = self.parts[shard_id]
+        what = self.part_name(shard_id)
+        if loaded.dim():
+            check_shape(loaded.shape, _full_shape(param, "out", full), what)
+        dst = stored_span(param, offset, size, "out", what)
+        src = stored_span(param, rank * size, size, "out", what)
+        copy_span(param, loaded, getattr(param, "out_dim", None), dst, src, what)
+
+    def part_name(self, shard_id) -> str:
+        return f"fused linear part {shard_id}"
+
+
+class MergedColumnParallelLinear(_FusedColumns):
     """Several column-split linears on the same input stored as one (e.g. gate and up)."""
 
     def __init__(self, in_features: int, out_features_list: list[int], ctx: BuildContext, bias: bool = False):
         self.local_sizes = [_divide(n, ctx.tp_size, "out_features") for n in out_features_list]
+        self.parts = {i: (sum(self.local_sizes[:i]), n, full, ctx.tp_rank)
+                      for i, (n, full) in enumerate(zip(self.local_sizes, out_features_list))}
         super().__init__(in_features, sum(self.local_sizes), bias, ctx)
-        for p in self.parameters():
-            set_loader(p, self.load_shard, tuple(range(len(out_features_list))))
-
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        n = self.local_sizes[shard_id]
-        check_shape(loaded.shape, (n * self.tp_size, *param.shape[1:]), f"fused linear part {shard_id}")
-        param.data.narrow(0, sum(self.local_sizes[:shard_id]), n).copy_(narrow_rank(loaded, 0, self.tp_rank, n))
 
 
-class QKVParallelLinear(LinearBase):
+class QKVParallelLinear(_FusedColumns):
     """Query, key and value projections in one, split by heads. Key/value heads are replicated
     when there are fewer of them than ranks."""
 
@@ -73,18 +130,15 @@ class QKVParallelLinear(LinearBase):
         self.num_heads = _divide(num_heads, tp, "num_attention_heads")
         self.kv_replicas = max(1, tp // num_kv_heads)
         self.num_kv_heads = max(1, num_kv_heads // tp)
-        sizes = (self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim)
-        self.offsets = {"q": (0, sizes[0]), "k": (sizes[0], sizes[1]), "v": (sizes[0] + sizes[1], sizes[2])}
-        self.full_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
-        super().__init__(hidden_size, sum(sizes), bias, ctx)
-        for p in self.parameters():
-            set_loader(p, self.load_shard, ("q", "k", "v"))
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        kv_rank = ctx.tp_rank // self.kv_replicas
+        self.parts = {"q": (0, q, num_heads * head_dim, ctx.tp_rank),
+                      "k": (q, kv, num_kv_heads * head_dim, kv_rank),
+                      "v": (q + kv, kv, num_kv_heads * head_dim, kv_rank)}
+        super().__init__(hidden_size, q + 2 * kv, bias, ctx)
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        start, size = self.offsets[shard_id]
-        check_shape(loaded.shape, (self.full_heads[shard_id] * self.head_dim, *param.shape[1:]), f"{shard_id}_proj")
-        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        param.data.narrow(0, start, size).copy_(narrow_rank(loaded, 0, rank, size))
+    def part_name(self, shard_id) -> str:
+        return f"{shard_id}_proj"
 
 
 class RowParallelLinear(LinearBase):
@@ -93,13 +147,16 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, ctx: BuildContext, bias: bool = False):
         self.local_in = _divide(in_features, ctx.tp_size, "in_features")
         super().__init__(self.local_in, out_features, bias, ctx)
-        set_loader(self.weight, self.load_weight)
-        if self.bias is not None:
-            set_loader(self.bias, self.load_bias)
+
+    def attach_loader(self, param):
+        set_loader(param, self.load_bias if param is self.bias else self.load_weight)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        check_shape(loaded.shape, (param.shape[0], self.local_in * self.tp_size), "row-split linear")
-        param.data.copy_(narrow_rank(loaded, 1, self.tp_rank, self.local_in))
+        loaded = per_tensor_value(param, loaded)
+        if loaded.dim():
+            check_shape(loaded.shape, _full_shape(param, "in", self.local_in * self.tp_size), "row-split linear")
+        span = stored_span(param, self.tp_rank * self.local_in, self.local_in, "in", "row-split linear")
+        copy_span(param, loaded, getattr(param, "in_dim", None), None, span, "row-split linear")
 
     def load_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         check_shape(loaded.shape, tuple(param.shape), "row-split linear bias")

@@ -54,6 +54,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_dim), ctx)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, ctx, bias=bias)
         self.rotary, self.scale, self.layer_idx, self.attention = rotary, scale, layer_idx, ctx.attention
+        # An fp8 cache's scale for the whole latent row (contract 1.2); None for a model-dtype cache.
+        self.register_buffer("kv_scale", ctx.attention.new_kv_scale(), persistent=False)
         self.register_buffer("w_uk", None, persistent=False)  # [H, nope, L], by process_weights_after_loading
         self.register_buffer("w_uv", None, persistent=False)  # [H, L, v]
 
@@ -79,7 +81,8 @@ class MultiHeadLatentAttention(nn.Module):
         # torch.bmm runs on every backend's torch device.
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
         latent = torch.cat((self.kv_a_layernorm(compressed), k_pe.view(t, r)), dim=-1)  # [T, L + R]
+        fp8 = {} if self.kv_scale is None else {"kv_scale": self.kv_scale}
         out = self.attention.forward(torch.cat((q_latent, q_pe), dim=-1), latent,
-                                     step.kv_caches[self.layer_idx], step.meta, self.scale)  # [T, H, L]
+                                     step.kv_caches[self.layer_idx], step.meta, self.scale, **fp8)  # [T, H, L]
         out = torch.bmm(out.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(t, h * self.v_dim))

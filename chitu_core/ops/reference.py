@@ -166,3 +166,6 @@ def fused_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk
         y = linear(hidden, w2[expert], None).to(acc)
         out.index_add_(0, rows, y * topk_weights[rows, slots, None].to(acc))
     return out.to(x.dtype)
+
+
+from chitu_core.ops.quant_reference import fp8_linear, gguf_linear, int4_linear, int8_linear  # noqa: E402,F401  contract 1.2

@@ -150,6 +150,48 @@ class OpSet(Protocol):
         is rounded to x.dtype, as the unfused ops would round it; the down projection, the weighting
         and the sum over slots may accumulate in float32."""
 
+    # --- contract 1.2: quantized linears (chitu_core.quantization's methods call these) -------------
+    # Each takes x: [..., K] in float16, bfloat16, float32 (float64 for the reference) and an optional
+    # bias [N] in x.dtype, and returns x @ W.T + bias in x.dtype ([..., N]), W [N, K] being the
+    # dequantized weight below. Dequantization is exact in float32 (the reference computes in float64
+    # when x is float64); products accumulate in at least float32.
+
+    def int4_linear(self, x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, group_size: int,
+                    bias: Tensor | None) -> Tensor:
+        """4-bit weights in groups along K (AWQ, GPTQ, in-situ int4 after repacking).
+
+        qweight: int32 [K/8, N]; bits 4j..4j+3 of qweight[i, n] (j = 0..7, as unsigned) hold
+        q[8i + j, n] in [0, 16). scales, zeros: [K/G, N] of one float dtype, G = group_size (K % G == 0,
+        G % 8 == 0). W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]."""
+
+    def int8_linear(self, x: Tensor, weight: Tensor, scales: Tensor, act_quant: bool,
+                    bias: Tensor | None) -> Tensor:
+        """8-bit integer weights with a float32 scale per output channel (W8A8, W8A16).
+
+        weight: int8 [N, K]; scales: float32 [N]; W[n, k] = weight[n, k] * scales[n]. act_quant: each
+        row of x is first quantized symmetrically to int8: s = max|row| / 127 (1 for an all-zero row),
+        q = clamp(round-half-to-even(row / s), -127, 127), computed in float32, and q * s takes the
+        row's place (so y = (q @ weight.T) * s * scales, the integer products being exact)."""
+
+    def fp8_linear(self, x: Tensor, weight: Tensor, scales: Tensor, block_size: tuple[int, int] | None,
+                   act_quant: bool, bias: Tensor | None) -> Tensor:
+        """FP8 (e4m3) weights, per output channel or in [bn, bk] blocks (DeepSeek-V3's format).
+
+        weight: float8_e4m3fn [N, K]. block_size None: scales float32 [N], W[n, k] = weight[n, k] *
+        scales[n]. block_size (bn, bk): scales float32 [ceil(N/bn), ceil(K/bk)], W[n, k] = weight[n, k]
+        * scales[n // bn, k // bk]. act_quant (where the device multiplies FP8): x is quantized
+        dynamically per token, in groups of bk along K with blocks (the whole row without): s = max|g| /
+        448 (1 for an all-zero group), q = (g / s) cast to float8_e4m3fn (round to nearest even),
+        computed in float32, and q * s takes g's place. Without act_quant ("soft FP8") x is used as is."""
+
+    def gguf_linear(self, x: Tensor, qweight: Tensor, qtype: int, bias: Tensor | None) -> Tensor:
+        """GGUF/GGML block-quantized weights, kept in the file's own block layout.
+
+        qweight: uint8 [N, K / E * B]: each row is its K values as K / E consecutive blocks of the type's
+        E elements and B bytes; qtype: the ggml type id (``gguf.GGMLQuantizationType``: Q4_0 2, Q4_1 3,
+        Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). W is the rows dequantized exactly as ggml's reference
+        dequantizer does (``chitu_core.quantization.gguf_blocks``)."""
+
 
 OP_NAMES: tuple[str, ...] = tuple(
     name for name in OpSet.__dict__ if not name.startswith("_") and callable(OpSet.__dict__[name])

@@ -1,36 +1,123 @@
-"""The QuantMethod contract and the unquantized method."""
+"""The QuantMethod contract and the unquantized method.
+
+A method owns a linear layer's weight parameters through their whole life:
+
+1. ``create_weights`` registers them under their checkpoint names, each marked with how it is split
+   for tensor parallelism (``quant_param``), so the layers' generic loaders can slice them;
+2. the checkpoint (or ``load_format="dummy"``) fills them;
+3. ``process_weights_after_loading`` repacks them into the layout its kernels (the backend's
+   choice, see ``options``) read;
+4. ``apply`` multiplies through ops the backend declares (``kernels``).
+
+Options: a method instance carries a dict merged from the checkpoint's ``quantization_config``
+(``options_from_checkpoint``) and then the backend's preferences (``Backend.quant_preferences``),
+e.g. ``{"group_size": 128}`` or ``{"act_quant": True}``. ``in_situ`` (set by ``--quantization``):
+the layer is created with a 16-bit ``weight`` as an unquantized one would be, and quantized by
+``quantize`` at load time, so a 16-bit checkpoint (or dummy weights) runs quantized.
+"""
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from chitu_core.ops.table import Ops
+from chitu_core.quantization.params import quant_param
 
 
 class QuantMethod(ABC):
-    """How one linear layer stores and applies its weight.
+    """How one linear layer stores and applies its weight (see the module docstring).
 
-    name:    registry name (also what a checkpoint's quantization config maps to).
-    kernels: op names (in ``chitu_core.ops``) the method needs from a backend.
+    name:     registry name (what a checkpoint's quantization config maps to).
+    kernels:  op names (in ``chitu_core.ops``) ``apply`` calls.
+    defaults: option values when neither checkpoint nor backend sets them.
     """
 
     name: ClassVar[str]
     kernels: ClassVar[tuple[str, ...]]
+    defaults: ClassVar[Mapping[str, Any]] = {}
+    checkpoint_formats: ClassVar[tuple[str, ...]] = ()  # quantization_config["quant_method"] values it reads
 
-    @abstractmethod
-    def create_weights(
-        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        """Register the layer's parameters for a [out_features, in_features] (this rank's shard) weight."""
+    def __init__(self, options: Mapping[str, Any] | None = None, in_situ: bool = False):
+        self.options = {**self.defaults, **(options or {})}
+        self.in_situ = in_situ
+
+    # --- what a checkpoint holds ----------------------------------------------------------------
+
+    @classmethod
+    def claims(cls, quantization_config: Mapping[str, Any]) -> bool:
+        """Whether this method reads a checkpoint with this ``quantization_config`` (by default: its
+        ``quant_method`` is one of ``checkpoint_formats``; compressed-tensors methods look further)."""
+        return quantization_config.get("quant_method") in cls.checkpoint_formats
+
+    @classmethod
+    def options_from_checkpoint(cls, quantization_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Options read from a checkpoint's ``quantization_config`` (config.json); errors name the field."""
+        return {}
+
+    @classmethod
+    def layer_options(cls, quantization_config: Mapping[str, Any], module: str,
+                      parts: tuple[str, ...]) -> dict[str, Any] | None:
+        """Options for one layer where a checkpoint varies them per layer (GGUF's tensor types):
+        ``module`` is the layer's name in the model, ``parts`` the checkpoint names of the layers fused
+        into it (q_proj, k_proj, v_proj for qkv_proj; empty when not fused). None: the model-wide options."""
+        return None
+
+    @classmethod
+    def conformance_options(cls) -> list[dict[str, Any]]:
+        """The option sets the conformance suite runs (e.g. each group size, act-order on and off)."""
+        return [{}]
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+        """Register the parameters of a [out_features, in_features] (this rank's shard) weight: the
+        checkpoint's tensors, or, in situ, a dense ``weight`` in ``dtype``."""
+        if self.in_situ:
+            quant_param(layer, "weight", (out_features, in_features), dtype, device, out_dim=0, in_dim=1)
+        else:
+            self.create_checkpoint_weights(layer, in_features, out_features, dtype, device)
+
+    def create_checkpoint_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                                  dtype: torch.dtype, device: torch.device) -> None:
+        """Register the tensors a checkpoint of this format holds for the layer, with ``quant_param``.
+        (A method written for contract 1.0 overrides ``create_weights`` instead.)"""
+        raise NotImplementedError(f"quantization method {self.name!r} defines no checkpoint weights")
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """weight: [out, in] floating -> the checkpoint tensors (by parameter name) that hold it in
+        this format, round-to-nearest. Used for in-situ quantization, conversion and conformance."""
+        raise NotImplementedError(f"quantization method {self.name!r} cannot quantize a weight itself")
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's weight as a float32 [out, in] tensor, after ``process_weights_after_loading``
+        (for layers that derive other weights from it, such as MLA's absorbed matrices)."""
+        raise NotImplementedError(f"quantization method {self.name!r} cannot dequantize its weights")
+
+    # --- load time and run time -----------------------------------------------------------------
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Load-time transform (repacking, scale folding) once every shard is loaded."""
+        """Quantize in situ if asked, then ``repack``."""
+        if self.in_situ:
+            weight = layer.weight
+            del layer.weight
+            for name, value in self.quantize(weight.data).items():
+                layer.register_parameter(name, nn.Parameter(value, requires_grad=False))
+            del weight
+        self.repack(layer)
+
+    def repack(self, layer: nn.Module) -> None:
+        """Turn the checkpoint tensors into the layout ``apply``'s kernels read (default: as they are)."""
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, ops: Ops) -> torch.Tensor:
-        """x: [..., in_features] -> [..., out_features]."""
+        """x: [..., in_features] -> [..., out_features] in x.dtype."""
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes ``apply`` reads from the layer's parameters and buffers (the bench's floor)."""
+        tensors = list(layer.parameters(recurse=False)) + list(layer.buffers(recurse=False))
+        return sum(t.numel() * t.element_size() for t in tensors if t is not getattr(layer, "bias", None))
 
 
 class UnquantizedMethod(QuantMethod):
@@ -39,9 +126,17 @@ class UnquantizedMethod(QuantMethod):
     name = "unquantized"
     kernels = ("linear",)
 
-    def create_weights(self, layer, in_features, out_features, dtype, device):
-        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
-        layer.register_parameter("weight", weight)
+    def create_checkpoint_weights(self, layer, in_features, out_features, dtype, device):
+        quant_param(layer, "weight", (out_features, in_features), dtype, device, out_dim=0, in_dim=1)
+
+    def quantize(self, weight):
+        return {"weight": weight}
+
+    def dequantize(self, layer):
+        return layer.weight.float()
+
+    def process_weights_after_loading(self, layer):
+        pass
 
     def apply(self, layer, x, bias, ops):
         return ops.linear(x, layer.weight, bias)

@@ -15,7 +15,7 @@ def register_quant_method(cls: type[QuantMethod], origin: str = "") -> type[Quan
             f"by {_ORIGINS[cls.name]}; pick another name"
         )
     _METHODS[cls.name] = cls
-    _ORIGINS[cls.name] = origin or cls.__module__
+    _ORIGINS[cls.name] = origin or ("chitu-core" if cls.__module__.startswith("chitu_core.") else cls.__module__)
     return cls
 
 
@@ -25,6 +25,11 @@ def get_quant_method(name: str) -> type[QuantMethod]:
         return _METHODS[name]
     except KeyError:
         raise ChituError(f"unknown quantization method {name!r}; known: {', '.join(sorted(_METHODS))}") from None
+
+
+def all_quant_methods() -> dict[str, type[QuantMethod]]:
+    """Every registered method class by name."""
+    return dict(_METHODS)
 
 
 def quant_method_names() -> dict[str, str]:

@@ -7,6 +7,8 @@ workspace) from host ints only, so it never waits on the device; every layer's
 ``forward`` then writes its keys and values and runs one attention launch (two
 with split-KV). A model may instead call ``rotary_and_write_kv`` (RoPE fused
 with the cache write) and then ``attend``, skipping the separate write.
+It supports an fp8 cache (contract 1.2): every kernel above takes the layer's
+``kv_scale``; the tile plan stays the one of the model dtype.
 """
 
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ class TritonPagedAttention(AttentionBackend):
     name = "triton"
     block_sizes = (16, 1, 8, 32, 64, 128)
     fuses_rotary = True
+    supports_fp8_kv_cache = True
     force_num_splits: int | None = None
     """Set (tests, tuning) to force a split-KV count instead of the planner's choice."""
     float32_dot_precision: str = "ieee"
@@ -64,7 +67,7 @@ class TritonPagedAttention(AttentionBackend):
     def warmup(self) -> None:
         """Compile the kernel variants steps use (prefill tiles; decode tiles, whole and split) on a
         one-block stand-in cache."""
-        cache = self.allocate_kv_cache(1)
+        cache, kv_scale = self.allocate_kv_cache(1), self.new_kv_scale()
         q = torch.zeros((2, self.num_heads, self.head_dim), dtype=self.dtype, device=self.device)
         tables = torch.zeros((2, 1), dtype=torch.int32, device=self.device)
         for query_len, splits in ((2, 1), (1, 1), (1, 2)):
@@ -73,23 +76,28 @@ class TritonPagedAttention(AttentionBackend):
                         self.num_compute_units, splits, self.dtype.itemsize, self.head_dim)
             qsl = torch.arange(seqs + 1, dtype=torch.int32, device=self.device) * query_len
             seq_lens = torch.full((seqs,), query_len, dtype=torch.int32, device=self.device)
-            paged_attention(q, cache, tables[:seqs], seq_lens, qsl, 1.0, step, None, self.float32_dot_precision)
+            paged_attention(q, cache, tables[:seqs], seq_lens, qsl, 1.0, step, None, self.float32_dot_precision,
+                            kv_scale)
 
     def _state(self, meta: AttentionMetadata) -> TritonStepState:
         return meta.backend_state if isinstance(meta.backend_state, TritonStepState) else self.prepare(meta)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        return self.attend(q, kv_cache, meta, scale)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+                kv_scale: Tensor | None = None) -> Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
+        return self.attend(q, kv_cache, meta, scale, kv_scale)
 
-    def attend(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+               kv_scale: Tensor | None = None) -> Tensor:
         """``forward`` without the cache write: the step's keys and values are already in ``kv_cache``."""
         state = self._state(meta)
         return paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                               state.plan, state.workspace, self.float32_dot_precision)
+                               state.plan, state.workspace, self.float32_dot_precision, kv_scale)
 
     def rotary_and_write_kv(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor,
-                            is_neox: bool, kv_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+                            is_neox: bool, kv_cache: Tensor, meta: AttentionMetadata,
+                            kv_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The op ``rotary_embedding`` (returns the rotated q, k) fused with the cache write of the
         rotated k and of v; follow it with ``attend``."""
-        return rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, meta.slot_mapping)
+        return rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, meta.slot_mapping,
+                                             kv_scale)

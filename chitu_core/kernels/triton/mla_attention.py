@@ -24,6 +24,11 @@ a third grid axis splits each sequence's key tiles into ``num_splits`` ranges, c
 kernel from the sequence's length; each program stores its unnormalised accumulator, running
 max and sum, and the regular paged attention's reduction combines them (a range with no keys
 has max -inf and weight 0). ``plan`` picks tiles and the split count from host ints only.
+
+An fp8 cache (contract 1.2, FP8; one scale per layer for the whole row): the write quantizes as
+kv_cache.py does (``e4m3_bits`` into the cache's bytes); the attention loads key tiles as
+float8_e4m3fn and upcasts them, exactly, to q's dtype, with the scale folded into the softmax
+scale and into the accumulator after the loop.
 """
 
 from dataclasses import dataclass
@@ -33,9 +38,11 @@ import triton
 import triton.language as tl
 
 from chitu_core.attention.contract import AttentionMetadata
+from chitu_core.attention.fp8 import FP8_DTYPE, check_scale
 from chitu_core.attention.mla import MLAAttentionBackend
 from chitu_core.kernels.triton.attention import num_compute_units
 from chitu_core.kernels.triton.common import pow2
+from chitu_core.kernels.triton.kv_cache import store_kv, store_target
 from chitu_core.kernels.triton.paged_attention import LOG2E, _find_seq, _reduce_splits_kernel, split_workspace
 
 Tensor = torch.Tensor
@@ -49,27 +56,27 @@ TILE_BYTES = 64 << 10
 
 
 @triton.jit
-def _write_latent_kernel(cache, latent, slot_mapping, stride_lt, stride_ld, stride_c_blk, stride_c_tok, width,
-                         BLOCK_SIZE: tl.constexpr, WIDTH_P: tl.constexpr):
+def _write_latent_kernel(cache, latent, slot_mapping, kv_scale, stride_lt, stride_ld, stride_c_blk, stride_c_tok,
+                         width, BLOCK_SIZE: tl.constexpr, WIDTH_P: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot >= 0:
         d = tl.arange(0, WIDTH_P)
         x = tl.load(latent + t * stride_lt + d * stride_ld, mask=d < width)
         dst = cache + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok
-        tl.store(dst + d, x.to(cache.dtype.element_ty), mask=d < width)
+        store_kv(dst + d, x, d < width, kv_scale, FP8)
 
 
 # Ints that change from step to step are not specialized on (see paged_attention.py).
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _mla_attention_kernel(
     out, part_acc, part_max, part_sum,
-    q, cache, block_tables, seq_lens, query_start_loc,
+    q, cache, block_tables, seq_lens, query_start_loc, kv_scale,
     scale_log2, num_seqs, num_heads, num_splits,
     stride_qt, stride_qh, stride_qd, stride_c_blk, stride_c_tok, stride_bt,
     LORA: tl.constexpr, ROPE: tl.constexpr, LORA_P: tl.constexpr, ROPE_P: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // HEAD_BLOCK
     pid = tl.program_id(0)
@@ -104,6 +111,8 @@ def _mla_attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(kv_scale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -116,6 +125,8 @@ def _mla_attention_kernel(
         key = cache + block * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_tok
         k_lora = tl.load(key[:, None] + c[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)  # also V
         k_rope = tl.load(key[:, None] + LORA + r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        if FP8:
+            k_lora, k_rope = k_lora.to(q_lora.dtype), k_rope.to(q_lora.dtype)
         s = tl.dot(q_lora, tl.trans(k_lora), input_precision=PRECISION, out_dtype=tl.float32)
         s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=PRECISION, out_dtype=tl.float32) * scale_log2
         s = tl.where((k_pos[None, :] <= q_abs[:, None]) & k_ok[None, :], s, float("-inf"))
@@ -127,6 +138,8 @@ def _mla_attention_kernel(
         acc = tl.dot(p.to(k_lora.dtype), k_lora, acc=acc * alpha[:, None], input_precision=PRECISION,
                      out_dtype=tl.float32)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(kv_scale)
 
     if SPLIT:
         part = (token * num_heads + head) * num_splits + tl.program_id(2)
@@ -172,31 +185,39 @@ def plan(num_heads: int, max_query_len: int, num_seqs: int, max_seq_len: int, nu
     return MLAPlan(head_block, block_m, block_n, num_splits, 4 if rows_x_lora <= 16 * 512 else 8)
 
 
-def write_latent(kv_cache: Tensor, latent: Tensor, slot_mapping: Tensor) -> None:
-    """latent: [T, L + R] (any strides); stores row t at slot_mapping[t] unless it is negative."""
+def write_latent(kv_cache: Tensor, latent: Tensor, slot_mapping: Tensor, kv_scale: Tensor | None = None) -> None:
+    """latent: [T, L + R] (any strides); stores row t at slot_mapping[t] unless it is negative (an fp8
+    cache: quantized by the layer's ``kv_scale``, float32 [1])."""
     check_cache(kv_cache, latent.shape[1])
     t, width = latent.shape
     if t == 0:
         return
-    _write_latent_kernel[(t,)](kv_cache, latent, slot_mapping, *latent.stride(), *kv_cache.stride()[:2], width,
-                               BLOCK_SIZE=kv_cache.shape[1], WIDTH_P=pow2(width), num_warps=1 if width <= 256 else 4)
+    target, scale, fp8 = store_target(kv_cache, kv_scale, 1)
+    _write_latent_kernel[(t,)](target, latent, slot_mapping, scale, *latent.stride(), *kv_cache.stride()[:2], width,
+                               BLOCK_SIZE=kv_cache.shape[1], WIDTH_P=pow2(width), FP8=fp8,
+                               num_warps=1 if width <= 256 else 4)
 
 
 def mla_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                   scale: float, kv_lora_rank: int, step: MLAPlan,
-                  workspace: tuple[Tensor, Tensor, Tensor] | None = None, float32_precision: str = "ieee") -> Tensor:
+                  workspace: tuple[Tensor, Tensor, Tensor] | None = None, float32_precision: str = "ieee",
+                  kv_scale: Tensor | None = None) -> Tensor:
     """q: [T, H, L + R] (any strides); kv_cache already holds this step's latents.
 
     Returns [T, H, L] in q's dtype: causal attention of each token over its sequence's cached
     latents, the value being their first L channels. ``workspace`` (``split_workspace(T, H, L,
     num_splits)``) is needed when ``step.num_splits`` > 1; ``float32_precision`` as in
-    ``paged_attention.paged_attention``."""
+    ``paged_attention.paged_attention``. An fp8 cache needs the layer's ``kv_scale`` (float32 [1]);
+    the products then run in q's dtype."""
     t, num_heads, width = q.shape
     check_cache(kv_cache, width)
     out = torch.empty((t, num_heads, kv_lora_rank), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    if q.dtype != kv_cache.dtype:
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    if fp8:
+        check_scale(kv_cache, kv_scale, 1)
+    elif q.dtype != kv_cache.dtype:
         q = q.to(kv_cache.dtype)
     rope_dim, lora_p = width - kv_lora_rank, pow2(kv_lora_rank, at_least=16)
     num_seqs = seq_lens.shape[0]
@@ -207,12 +228,12 @@ def mla_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: T
     grid = (t // (step.block_m // step.head_block) + num_seqs, -(-num_heads // step.head_block), step.num_splits)
     _mla_attention_kernel[grid](
         out, part_acc, part_max, part_sum, q, kv_cache, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, num_seqs, num_heads, step.num_splits,
+        kv_scale if fp8 else seq_lens, scale * LOG2E, num_seqs, num_heads, step.num_splits,
         *q.stride(), *kv_cache.stride()[:2], block_tables.stride(0),
         LORA=kv_lora_rank, ROPE=rope_dim, LORA_P=lora_p, ROPE_P=pow2(rope_dim, at_least=16),
         HEAD_BLOCK=step.head_block, BLOCK_M=step.block_m, BLOCK_N=step.block_n, BLOCK_SIZE=kv_cache.shape[1],
         SPLIT=split, PRECISION=float32_precision if q.dtype == torch.float32 else "tf32",  # ignored for 16-bit
-        num_warps=step.num_warps, num_stages=2,
+        FP8=fp8, num_warps=step.num_warps, num_stages=2,
     )
     if split:
         _reduce_splits_kernel[(t, num_heads)](out, part_acc, part_max, part_sum, num_heads, step.num_splits,
@@ -243,6 +264,7 @@ class TritonMLAAttention(MLAAttentionBackend):
 
     name = "triton-mla"
     block_sizes = (16, 1, 8, 32, 64, 128)
+    supports_fp8_kv_cache = True
     force_num_splits: int | None = None
     """Set (tests, tuning) to force a split-KV count instead of the planner's choice."""
     float32_dot_precision: str = "ieee"
@@ -270,20 +292,21 @@ class TritonMLAAttention(MLAAttentionBackend):
     def warmup(self) -> None:
         """Compile the kernel variants steps use (prefill tiles; decode tiles, whole and split) and the
         cache write, on a one-block stand-in cache."""
-        cache = self.allocate_kv_cache(1)
+        cache, kv_scale = self.allocate_kv_cache(1), self.new_kv_scale()
         q = torch.zeros((2, self.num_heads, self.latent_dim), dtype=self.dtype, device=self.device)
         tables = torch.zeros((2, 1), dtype=torch.int32, device=self.device)
-        write_latent(cache, q[:, 0], torch.full((2,), -1, dtype=torch.int64, device=self.device))
+        write_latent(cache, q[:, 0], torch.full((2,), -1, dtype=torch.int64, device=self.device), kv_scale)
         for query_len, splits in ((2, 1), (1, 1), (1, 2)):
             seqs = 2 // query_len
             step = self._plan(query_len, seqs, self.block_size, splits)
             qsl = torch.arange(seqs + 1, dtype=torch.int32, device=self.device) * query_len
             seq_lens = torch.full((seqs,), query_len, dtype=torch.int32, device=self.device)
             mla_attention(q, cache, tables[:seqs], seq_lens, qsl, 1.0, self.kv_lora_rank, step, None,
-                          self.float32_dot_precision)
+                          self.float32_dot_precision, kv_scale)
 
-    def forward(self, q: Tensor, latent: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def forward(self, q: Tensor, latent: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+                kv_scale: Tensor | None = None) -> Tensor:
         state = meta.backend_state if isinstance(meta.backend_state, TritonMLAStepState) else self.prepare(meta)
-        write_latent(kv_cache, latent, meta.slot_mapping)
+        write_latent(kv_cache, latent, meta.slot_mapping, kv_scale)
         return mla_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                             self.kv_lora_rank, state.plan, state.workspace, self.float32_dot_precision)
+                             self.kv_lora_rank, state.plan, state.workspace, self.float32_dot_precision, kv_scale)

@@ -6,6 +6,10 @@ sampling other than greedy) are the backend's own choice or the reference's.
 
 from chitu_core.kernels.triton.activation import gelu_and_mul, silu_and_mul
 from chitu_core.kernels.triton.argmax import greedy_sample
+from chitu_core.kernels.triton.fp8_linear import fp8_linear
+from chitu_core.kernels.triton.gguf_linear import gguf_linear
+from chitu_core.kernels.triton.int4_linear import int4_linear
+from chitu_core.kernels.triton.int8_linear import int8_linear
 from chitu_core.kernels.triton.moe import fused_experts, moe_route
 from chitu_core.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from chitu_core.kernels.triton.rotary import rotary_embedding
@@ -19,4 +23,8 @@ TRITON_OPS = {
     "greedy_sample": greedy_sample,
     "moe_route": moe_route,
     "fused_experts": fused_experts,
+    "int4_linear": int4_linear,
+    "int8_linear": int8_linear,
+    "fp8_linear": fp8_linear,
+    "gguf_linear": gguf_linear,
 }

@@ -17,6 +17,11 @@ Split-KV (decode with few sequences and long contexts): a third grid axis splits
 each sequence's key tiles into ``num_splits`` ranges; each program writes its
 unnormalised accumulator, running max and sum, and ``_reduce_splits_kernel``
 combines them. ``plan`` picks the tile shapes and the split count from host ints.
+
+An fp8 cache (contract 1.2, FP8): key and value tiles are loaded as float8_e4m3fn
+(half the bytes) and upcast, exactly, to q's dtype for the products; the layer's key
+scale is folded into the softmax scale and its value scale into the accumulator
+after the loop, so the tiles are never multiplied element by element.
 """
 
 from dataclasses import dataclass
@@ -25,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from chitu_core.attention.fp8 import FP8_DTYPE, check_scale
 from chitu_core.kernels.triton.common import pow2
 
 LOG2E = 1.4426950408889634
@@ -49,12 +55,12 @@ def _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _attention_kernel(
     out, part_acc, part_max, part_sum,
-    q, cache, block_tables, seq_lens, query_start_loc,
+    q, cache, block_tables, seq_lens, query_start_loc, kv_scale,
     scale_log2, num_seqs, num_heads, num_splits,
     stride_qt, stride_qh, stride_qd, stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
     pid = tl.program_id(0)
@@ -87,6 +93,8 @@ def _attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(kv_scale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -99,6 +107,8 @@ def _attention_kernel(
         block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         slot = block * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_tok
         k_tile = tl.load(kv + slot[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        if FP8:
+            k_tile = k_tile.to(q_tile.dtype)
         s = tl.dot(q_tile, k_tile, input_precision=PRECISION, out_dtype=tl.float32) * scale_log2
         s = tl.where((k_pos[None, :] <= q_abs[:, None]) & k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -107,9 +117,13 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_tile = tl.load(kv + stride_c_kv + slot[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if FP8:
+            v_tile = v_tile.to(q_tile.dtype)
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc=acc * alpha[:, None], input_precision=PRECISION,
                      out_dtype=tl.float32)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(kv_scale + 1)
 
     if SPLIT:
         part = (token * num_heads + head) * num_splits + tl.program_id(2)
@@ -173,19 +187,23 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, step: AttentionPlan,
                     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    float32_precision: str = "ieee") -> torch.Tensor:
+                    float32_precision: str = "ieee", kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D] (any strides); kv_cache already holds this step's keys and values.
 
     Returns [T, Hq, D] in q's dtype: causal attention of each token over its sequence's cached
     keys. ``workspace`` (see ``split_workspace``) is needed when ``step.num_splits`` > 1.
-    ``float32_precision`` is tl.dot's input_precision for a float32 cache: "ieee" everywhere;
-    a device may offer faster ones of float32 accuracy (NVIDIA: "tf32x3")."""
+    ``float32_precision`` is tl.dot's input_precision for float32 operands: "ieee" everywhere;
+    a device may offer faster ones of float32 accuracy (NVIDIA: "tf32x3"). An fp8 cache needs
+    the layer's ``kv_scale`` (float32 [2]); the products then run in q's dtype."""
     t, num_heads, dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty((t, num_heads, dim), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    if q.dtype != kv_cache.dtype:
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    if fp8:
+        check_scale(kv_cache, kv_scale, 2)
+    elif q.dtype != kv_cache.dtype:
         q = q.to(kv_cache.dtype)
     group = num_heads // num_kv_heads
     group_p, head_p = pow2(group), pow2(dim, at_least=16)
@@ -197,12 +215,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     grid = (t // (step.block_m // group_p) + num_seqs, num_kv_heads, step.num_splits)
     _attention_kernel[grid](
         out, part_acc, part_max, part_sum, q, kv_cache, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, num_seqs, num_heads, step.num_splits,
+        kv_scale if fp8 else seq_lens, scale * LOG2E, num_seqs, num_heads, step.num_splits,
         *q.stride(), *kv_cache.stride()[:4], block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_M=step.block_m, BLOCK_N=step.block_n, HEAD_DIM=dim, HEAD_P=head_p,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=split,
         PRECISION=float32_precision if q.dtype == torch.float32 else "tf32",  # ignored for 16-bit inputs
-        num_warps=step.num_warps,
+        FP8=fp8, num_warps=step.num_warps,
     )
     if split:
         _reduce_splits_kernel[(t, num_heads)](out, part_acc, part_max, part_sum, num_heads, step.num_splits,

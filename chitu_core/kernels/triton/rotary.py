@@ -5,7 +5,9 @@ pairs with i + R/2 (neox) or 2i with 2i+1 (interleaved) for i < R/2, where R is
 the rotary dimension (the cos|sin table's width); channels R..D pass through.
 Returns new contiguous q and k. The fused variant also stores the rotated keys
 and the values at the token's cache slot (layout and padding rule as kv_cache.py),
-saving the separate write's re-read of k.
+saving the separate write's re-read of k. Into an fp8 cache it stores the rotated
+keys rounded to k's dtype first, so that the bytes are those of the separate
+rotary op followed by the cache write.
 """
 
 import torch
@@ -13,44 +15,53 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import pow2
-from chitu_core.kernels.triton.kv_cache import check_cache, copy_heads
+from chitu_core.kernels.triton.kv_cache import check_cache, copy_heads, store_kv, store_target
 
 
 @triton.jit
-def _rotate_heads(src, stride_h, stride_d, dst, stride_dst_h, num_heads, half, head_dim, cos, sin,
-                  HEADS_P: tl.constexpr, HALF_P: tl.constexpr, PASS_P: tl.constexpr, IS_NEOX: tl.constexpr):
-    """Rotate src[h, :2*half] by (cos, sin) ([1, HALF_P] float32) into dst; copy channels 2*half.. as they are."""
+def _rotate_heads(src, stride_h, stride_d, dst, stride_dst_h, num_heads, half, head_dim, cos, sin, scale,
+                  HEADS_P: tl.constexpr, HALF_P: tl.constexpr, PASS_P: tl.constexpr, IS_NEOX: tl.constexpr,
+                  FP8: tl.constexpr):
+    """Rotate src[h, :2*half] by (cos, sin) ([1, HALF_P] float32) into dst; copy channels 2*half.. as they are.
+    FP8: dst is an fp8 cache's bytes; the rotated values are rounded to src's dtype, then stored by
+    ``store_kv`` with the scale at ``scale``."""
     h = tl.arange(0, HEADS_P)[:, None]
-    out_ty = dst.dtype.element_ty
+    src_ty = src.dtype.element_ty
     if IS_NEOX:  # the two halves, each a contiguous load
         i = tl.arange(0, HALF_P)[None, :]
         mask = (h < num_heads) & (i < half)
         x1 = tl.load(src + h * stride_h + i * stride_d, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + h * stride_h + (i + half) * stride_d, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst + h * stride_dst_h + i, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-        tl.store(dst + h * stride_dst_h + i + half, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+        out1, out2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if FP8:
+            out1, out2 = out1.to(src_ty), out2.to(src_ty)
+        store_kv(dst + h * stride_dst_h + i, out1, mask, scale, FP8)
+        store_kv(dst + h * stride_dst_h + i + half, out2, mask, scale, FP8)
     else:  # pairs (2i, 2i+1): one contiguous load, split in registers (stride-2 accesses are slow)
         r = tl.arange(0, 2 * HALF_P)[None, :]
         mask = (h < num_heads) & (r < 2 * half)
         x = tl.load(src + h * stride_h + r * stride_d, mask=mask, other=0.0).to(tl.float32)
         x1, x2 = tl.split(tl.reshape(x, [HEADS_P, HALF_P, 2]))
         out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), [HEADS_P, 2 * HALF_P])
-        tl.store(dst + h * stride_dst_h + r, out.to(out_ty), mask=mask)
+        if FP8:
+            out = out.to(src_ty)
+        store_kv(dst + h * stride_dst_h + r, out, mask, scale, FP8)
     if PASS_P > 0:
         p = 2 * half + tl.arange(0, PASS_P)[None, :]
         pass_mask = (h < num_heads) & (p < head_dim)
         x = tl.load(src + h * stride_h + p * stride_d, mask=pass_mask)
-        tl.store(dst + h * stride_dst_h + p, x.to(out_ty), mask=pass_mask)
+        store_kv(dst + h * stride_dst_h + p, x, pass_mask, scale, FP8)
 
 
 @triton.jit
 def _rotary_kernel(
-    q_out, k_out, q, k, positions, cos_sin, v, cache, slot_mapping,
+    q_out, k_out, q, k, positions, cos_sin, v, cache, slot_mapping, kv_scale,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_pos, stride_cs,
     stride_vt, stride_vh, stride_vd, stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head,
     num_q_heads, num_kv_heads, half, head_dim,
     Q_HEADS_P: tl.constexpr, K_HEADS_P: tl.constexpr, HALF_P: tl.constexpr, PASS_P: tl.constexpr,
     DIM_P: tl.constexpr, IS_NEOX: tl.constexpr, WRITE_CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t * stride_pos).to(tl.int64)
@@ -58,20 +69,20 @@ def _rotary_kernel(
     cos = tl.load(cos_sin + pos * stride_cs + i, mask=i < half, other=0.0)
     sin = tl.load(cos_sin + pos * stride_cs + half + i, mask=i < half, other=0.0)
     _rotate_heads(q + t * stride_qt, stride_qh, stride_qd, q_out + t * num_q_heads * head_dim, head_dim,
-                  num_q_heads, half, head_dim, cos, sin, Q_HEADS_P, HALF_P, PASS_P, IS_NEOX)
+                  num_q_heads, half, head_dim, cos, sin, kv_scale, Q_HEADS_P, HALF_P, PASS_P, IS_NEOX, False)
     _rotate_heads(k + t * stride_kt, stride_kh, stride_kd, k_out + t * num_kv_heads * head_dim, head_dim,
-                  num_kv_heads, half, head_dim, cos, sin, K_HEADS_P, HALF_P, PASS_P, IS_NEOX)
+                  num_kv_heads, half, head_dim, cos, sin, kv_scale, K_HEADS_P, HALF_P, PASS_P, IS_NEOX, False)
     if WRITE_CACHE:
         slot = tl.load(slot_mapping + t).to(tl.int64)
         if slot >= 0:
             dst = cache + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok
             _rotate_heads(k + t * stride_kt, stride_kh, stride_kd, dst, stride_c_head,
-                          num_kv_heads, half, head_dim, cos, sin, K_HEADS_P, HALF_P, PASS_P, IS_NEOX)
+                          num_kv_heads, half, head_dim, cos, sin, kv_scale, K_HEADS_P, HALF_P, PASS_P, IS_NEOX, FP8)
             copy_heads(v + t * stride_vt, stride_vh, stride_vd, dst + stride_c_kv, stride_c_head,
-                       num_kv_heads, head_dim, K_HEADS_P, DIM_P)
+                       num_kv_heads, head_dim, kv_scale + 1, K_HEADS_P, DIM_P, FP8)
 
 
-def _launch(positions, q, k, cos_sin_cache, is_neox, v=None, kv_cache=None, slot_mapping=None):
+def _launch(positions, q, k, cos_sin_cache, is_neox, v=None, kv_cache=None, slot_mapping=None, kv_scale=None):
     t, hq, dim = q.shape
     hk, rot = k.shape[1], cos_sin_cache.shape[-1]
     if rot % 2 or rot > dim:
@@ -85,15 +96,16 @@ def _launch(positions, q, k, cos_sin_cache, is_neox, v=None, kv_cache=None, slot
     write = kv_cache is not None
     if write:
         check_cache(kv_cache)
-    else:
-        v, kv_cache, slot_mapping = k, k_out, positions  # unused: the WRITE_CACHE branch is compiled out
+        target, scale, fp8 = store_target(kv_cache, kv_scale, 2)
+    else:  # unused: the WRITE_CACHE branch is compiled out
+        v, kv_cache, slot_mapping, target, scale, fp8 = k, k_out, positions, k_out, k_out, False
     stride_c = kv_cache.stride()[:4] if write else (0, 0, 0, 0)
     _rotary_kernel[(t,)](
-        q_out, k_out, q, k, positions, cos_sin_cache, v, kv_cache, slot_mapping,
+        q_out, k_out, q, k, positions, cos_sin_cache, v, target, slot_mapping, scale,
         *q.stride(), *k.stride(), positions.stride(0), cos_sin_cache.stride(0), *v.stride(), *stride_c,
         hq, hk, rot // 2, dim,
         Q_HEADS_P=pow2(hq), K_HEADS_P=pow2(hk), HALF_P=pow2(rot // 2), PASS_P=pow2(dim - rot) if dim > rot else 0,
-        DIM_P=pow2(dim), IS_NEOX=is_neox, WRITE_CACHE=write, BLOCK_SIZE=kv_cache.shape[2] if write else 1,
+        DIM_P=pow2(dim), IS_NEOX=is_neox, WRITE_CACHE=write, BLOCK_SIZE=kv_cache.shape[2] if write else 1, FP8=fp8,
         num_warps=4,
     )
     return q_out, k_out
@@ -106,6 +118,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 def rotary_embedding_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor,
-                                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rotary_embedding, and the rotated k with v written to kv_cache at slot_mapping (as write_kv)."""
-    return _launch(positions, q, k, cos_sin_cache, is_neox, v, kv_cache, slot_mapping)
+                                  slot_mapping: torch.Tensor,
+                                  kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding, and the rotated k with v written to kv_cache at slot_mapping (as write_kv;
+    an fp8 cache needs the layer's ``kv_scale``)."""
+    return _launch(positions, q, k, cos_sin_cache, is_neox, v, kv_cache, slot_mapping, kv_scale)

@@ -4,6 +4,11 @@ Layout: [2, num_blocks, block_size, num_kv_heads, head_dim]. Per step, ``prepare
 builds the packed<->padded index and the causal mask once; each layer then
 scatters its new keys/values into the cache, gathers every sequence's keys and
 values through its block table, and runs one SDPA call for the whole batch.
+
+An fp8 cache (contract 1.2) is written as the reference writes it; the gathered
+keys and values are upcast to the model dtype (exact for e4m3) and the scales
+applied outside SDPA: the key scale folded into the softmax scale, the value
+scale multiplied into the output.
 """
 
 from dataclasses import dataclass
@@ -25,6 +30,7 @@ class CpuStepState:
 class CpuSdpaAttention(AttentionBackend):
     name = "sdpa"
     block_sizes = (16, 1, 8, 32, 64, 128)
+    supports_fp8_kv_cache = True
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -33,10 +39,15 @@ class CpuSdpaAttention(AttentionBackend):
         seq_idx, pos = packed_to_padded_index(meta)
         return CpuStepState(seq_idx, pos, causal_mask(meta)[:, None])
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None):
         state: CpuStepState = meta.backend_state
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
         keys, values = gather_kv(kv_cache, meta)  # [B, S, Hk, D]
+        v_scale = None
+        if kv_scale is not None:  # an fp8 cache
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            k_scale, v_scale = kv_scale.tolist()
+            scale *= k_scale
         b, hq, d = meta.num_seqs, q.shape[1], q.shape[2]
         q_pad = q.new_zeros(b, meta.max_query_len, hq, d)
         q_pad[state.seq_idx, state.pos] = q
@@ -48,4 +59,5 @@ class CpuSdpaAttention(AttentionBackend):
             scale=scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, Hq, max_q, D]
-        return out.transpose(1, 2)[state.seq_idx, state.pos]
+        out = out.transpose(1, 2)[state.seq_idx, state.pos]
+        return out if v_scale is None else (out.float() * v_scale).to(q.dtype)

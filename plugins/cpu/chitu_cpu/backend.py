@@ -14,7 +14,7 @@ from chitu_cpu.mla import CpuSdpaMLAAttention
 class CpuBackend(Backend):
     name = "cpu"
     device_type = "cpu"
-    contract_version = "1.1"
+    contract_version = "1.2"
     priority = 0  # any accelerator backend should win under device="auto"
 
     def is_available(self) -> Availability:
@@ -48,6 +48,12 @@ class CpuBackend(Backend):
 
     def process_group_backend(self) -> str:
         return "gloo"
+
+    def quant_methods(self) -> frozenset[str]:
+        """Every weight format but GGUF runs here on the core's reference ops (a dequantization per call:
+        correct, not fast). GGUF files are dequantized once at load instead, which is faster here until
+        this backend has GGUF kernels of its own."""
+        return frozenset({"unquantized", "fp8", "int8", "awq", "gptq"})
 
     def kv_cache_budget(self, index: int = 0) -> int:
         # Host memory is shared with everything else (and zero-filling it costs seconds per GiB):

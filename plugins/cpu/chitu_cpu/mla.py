@@ -7,6 +7,10 @@ the gathered latents as both key and value: the output's first L channels are th
 (value = the latents' first L channels) and the last R are dropped. A value narrower than the
 key would send SDPA to its unfused math path; the shared tensor keeps its fused CPU kernel.
 
+An fp8 cache (contract 1.2) is written as the reference writes it; the gathered latents are upcast to
+the model dtype (exact for e4m3), the layer's scale folded into the softmax scale and multiplied into
+the output.
+
 Decode-only steps fold the heads into the query rows of the one shared key "head" ([B, 1, H,
 L + R] against [B, 1, S, L + R]): every key is read once per sequence, not once per head. Other
 steps broadcast the key over the heads (a stride-0 expand, no copy), so that the causal mask
@@ -26,6 +30,7 @@ class CpuSdpaMLAAttention(MLAAttentionBackend):
 
     name = "sdpa-mla"
     block_sizes = (16, 1, 8, 32, 64, 128)
+    supports_fp8_kv_cache = True
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.latent_dim)
@@ -34,10 +39,14 @@ class CpuSdpaMLAAttention(MLAAttentionBackend):
         seq_idx, pos = packed_to_padded_index(meta)
         return CpuStepState(seq_idx, pos, causal_mask(meta)[:, None])
 
-    def forward(self, q, latent, kv_cache, meta, scale):
+    def forward(self, q, latent, kv_cache, meta, scale, kv_scale=None):
         state: CpuStepState = meta.backend_state
-        write_latent(kv_cache, latent, meta.slot_mapping)
+        write_latent(kv_cache, latent, meta.slot_mapping, kv_scale)
         keys = gather_latents(kv_cache, meta)[:, None]  # [B, 1, S, L + R]
+        value_scale = None
+        if kv_scale is not None:  # an fp8 cache
+            keys, value_scale = keys.to(q.dtype), kv_scale.item()
+            scale *= value_scale
         b, h, d = meta.num_seqs, q.shape[1], q.shape[2]
         q_pad = q.new_zeros(b, meta.max_query_len, h, d)
         q_pad[state.seq_idx, state.pos] = q
@@ -47,4 +56,5 @@ class CpuSdpaMLAAttention(MLAAttentionBackend):
             keys = keys.expand(b, h, -1, -1)
             out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, keys, attn_mask=state.mask,
                                                  scale=scale).transpose(1, 2)  # [B, max_q, H, L + R]
-        return out[..., : self.kv_lora_rank][state.seq_idx, state.pos]
+        out = out[..., : self.kv_lora_rank][state.seq_idx, state.pos]
+        return out if value_scale is None else (out.float() * value_scale).to(q.dtype)

@@ -1,14 +1,35 @@
 """The NVIDIA attention backends: the portable Triton paged attention and latent (MLA) attention, with
 float32 products on the tensor cores in three TF32 passes ("tf32x3", float32 accuracy) instead of the
-FMA path of "ieee"."""
+FMA path of "ieee". Both keep an fp8 KV cache (contract 1.2) on GPUs of compute capability 8.9 and
+newer (Ada, Hopper, Blackwell), where Triton converts float8_e4m3fn."""
 
+import torch
+
+from chitu_core.errors import ChituError
 from chitu_core.kernels.triton.attention import TritonPagedAttention
 from chitu_core.kernels.triton.mla_attention import TritonMLAAttention
 
+FP8_CAPABILITY = (8, 9)
 
-class NvidiaTritonAttention(TritonPagedAttention):
+
+class FP8OnAdaAndNewer:
+    """Declares the fp8 KV cache, and refuses it, naming the GPU, below compute capability 8.9, where
+    Triton has no float8_e4m3fn (fp8e4nv) and would fail in the first kernel instead."""
+
+    supports_fp8_kv_cache = True
+
+    def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        capability = torch.cuda.get_device_capability(self.device) if kv_cache_dtype == "fp8" else FP8_CAPABILITY
+        if capability < FP8_CAPABILITY:
+            raise ChituError(f"an fp8 KV cache needs an NVIDIA GPU of compute capability 8.9 or newer (Triton reads "
+                             f"float8_e4m3fn only there); {torch.cuda.get_device_name(self.device)} is "
+                             f"{capability[0]}.{capability[1]}: use kv_cache_dtype='auto'")
+        super().set_kv_cache_dtype(kv_cache_dtype)
+
+
+class NvidiaTritonAttention(FP8OnAdaAndNewer, TritonPagedAttention):
     float32_dot_precision = "tf32x3"
 
 
-class NvidiaTritonMLAAttention(TritonMLAAttention):
+class NvidiaTritonMLAAttention(FP8OnAdaAndNewer, TritonMLAAttention):
     float32_dot_precision = "tf32x3"

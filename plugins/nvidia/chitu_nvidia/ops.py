@@ -50,6 +50,10 @@ def native_ops(with_triton: bool) -> dict[str, Callable]:
     """The op table; without triton installed, only the PyTorch ops (the backend is unavailable then)."""
     if not with_triton:
         return dict(TORCH_OPS)
+    from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes
     from chitu_core.kernels.triton.ops import TRITON_OPS
 
-    return {**TORCH_OPS, **TRITON_OPS}
+    ops = {**TORCH_OPS, **TRITON_OPS}
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        ops["fp8_linear"] = fp8_linear_bytes  # no FP8 types before Ada/Hopper: the bytes are decoded in registers
+    return ops

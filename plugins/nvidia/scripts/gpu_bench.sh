@@ -8,7 +8,10 @@
 # "model:batch ..." of the models bench8b/smollm made), serve (bench serve on a live server, engine in a
 # process and in a thread, SERVE_MODES picks; then the offline run of the same batch), moecheck (MoE and MLA
 # kernels, the five MoE/MLA architectures against transformers, their conformance rows), moe (full-size MoE configs
-# with dummy weights, MOE_BENCH "config:batch ..."; PEER=hf compares transformers on its own random weights).
+# with dummy weights, MOE_BENCH "config:batch ..."; PEER=hf compares transformers on its own random weights), quant
+# (quantized linears' and methods' conformance rows, quant_check.py: in-situ fp8/int8/int4 and the fp8 KV cache on
+# the Llama-3.1-8B config against bf16), quantbench (Llama-3.1-8B config, dummy weights, QUANT_BENCH "method:batch ..."
+# with method bf16, fp8, int8 or int4).
 # Commit what $OUT holds under docs/benchmarks/<machine>/ and make the page from it:
 #   python -m chitu_core.bench report docs/benchmarks/<machine> > docs/benchmarks/<machine>.md
 set -uo pipefail
@@ -67,6 +70,15 @@ for step in "$@"; do
            [ -d /tmp/$name ] || python3 -m chitu_core.bench random-model --like $name --config-only --out /tmp/$name
            bench $name-b$b --model /tmp/$name --batch-size $b --load-format dummy --dtype bfloat16
          done ;;
+    quant) python3 -m chitu_core.conformance --backend nvidia --ops '*_linear,quant/*' --dtypes bfloat16,float16,float32 \
+             --format md --quiet > "$OUT/conformance-quant.md"; tail -14 "$OUT/conformance-quant.md"
+           OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/quant_check.py" /tmp/llama8b-config || echo "quant_check failed: $?" ;;
+    quantbench) [ -d /tmp/llama8b-config ] || python3 -m chitu_core.bench random-model --like llama-3.1-8b --config-only --out /tmp/llama8b-config
+                for spec in ${QUANT_BENCH:-bf16:1 int4:1 fp8:1 int8:1 bf16:64 int4:64 fp8:64 int8:64}; do
+                  q=${spec%%:*}; b=${spec##*:}
+                  bench llama8b-$q-b$b --model /tmp/llama8b-config --batch-size $b --load-format dummy --dtype bfloat16 \
+                    $([ $q = bf16 ] || echo --quantization $q)
+                done ;;
     check) OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/gpu_check.py" environment build_model model_vs_transformers profile ;;
     profile) for spec in ${PROFILES:-smollm:1 llama8b:1 llama8b:64}; do  # model:batch, models made by the steps above
                python3 "$ROOT/plugins/nvidia/scripts/profile_step.py" --model /tmp/${spec%%:*} --batch-size ${spec##*:} \
