@@ -34,7 +34,7 @@ from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.model import KVGeometry
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
-from chitu_core.quantization.select import select_quantization, apply_layer_choices
+from chitu_core.quantization.select import apply_layer_choices, select_quantization
 from chitu_core.sampling.grammar import Constraints, GrammarCache
 from chitu_core.sampling.params import SamplingParams
 from chitu_core.sampling.sampler import Sampler
