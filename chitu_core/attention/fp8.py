@@ -43,8 +43,8 @@ def is_fp8(kv_cache: Tensor) -> bool:
 def quantize(x: Tensor, scale: Tensor) -> Tensor:
     """x (any float dtype) -> float8_e4m3fn: x / scale, saturated to +-448, rounded to nearest even.
     ``scale``: a float32 tensor of one element (a layer's key, value or latent scale), on x's device:
-    a tensor, not a Python float, so that every device divides (a CUDA tensor divided by a host scalar
-    is multiplied by its reciprocal)."""
+    a tensor, not a Python float, so that every device divides (some devices' kernels multiply a tensor
+    by the reciprocal of a host scalar instead, which rounds differently)."""
     return (x.float() / scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

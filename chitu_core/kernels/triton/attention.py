@@ -16,19 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.kv_cache import write_kv
 from chitu_core.kernels.triton.paged_attention import AttentionPlan, paged_attention, plan, split_workspace
 from chitu_core.kernels.triton.rotary import rotary_embedding_and_write_kv
 
 Tensor = torch.Tensor
-
-
-def num_compute_units(device: torch.device) -> int:
-    """Multiprocessors (or the device's equivalent) of ``device``; 64 where torch does not say."""
-    try:
-        return int(getattr(torch, device.type).get_device_properties(device).multi_processor_count)
-    except (AttributeError, RuntimeError, AssertionError):
-        return 64
 
 
 @dataclass

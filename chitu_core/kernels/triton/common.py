@@ -1,5 +1,7 @@
 """Launcher helpers shared by the kernel families."""
 
+from functools import cache
+
 import torch
 import triton
 
@@ -15,3 +17,13 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.view(-1, x.shape[-1])
     except RuntimeError:
         return x.reshape(-1, x.shape[-1])
+
+
+@cache
+def num_compute_units(device: torch.device) -> int:
+    """Multiprocessors (or the device's equivalent) of ``device``; 64 where torch does not say (the
+    interpreter). Cached: launchers ask on every call."""
+    try:
+        return int(getattr(torch, device.type).get_device_properties(device).multi_processor_count)
+    except (AttributeError, RuntimeError, AssertionError):
+        return 64

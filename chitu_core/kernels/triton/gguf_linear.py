@@ -31,14 +31,14 @@ Two paths; ``tiles`` picks one and its sizes by shape, the one place to tune the
 
 No host synchronisation: sizes and grids come from shapes only, so a device graph can capture it.
 """
+
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
-from chitu_core.kernels.triton.common import as_rows, pow2
+from chitu_core.kernels.triton.common import as_rows, num_compute_units, pow2
 from chitu_core.kernels.triton.split_k import sum_splits
 from chitu_core.quantization.gguf_blocks import BLOCK, NAMES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, check_qtype
 
@@ -76,13 +76,6 @@ def tiles(m: int, n: int, k: int, qtype: int, num_compute_units: int) -> Tiles:
         return Tiles(pow2(m), block_n, groups, split, num_warps=4, num_stages=1)
     block_m = 16 if m <= 16 else 32 if m <= 64 else 64
     return Tiles(block_m, 64, 64 // s, num_warps=4, num_stages=2, dot=True)
-
-
-@cache
-def _compute_units(device: torch.device) -> int:
-    from chitu_core.kernels.triton.attention import num_compute_units
-
-    return num_compute_units(device)
 
 
 # ----- decoding -----
@@ -341,7 +334,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.
     if m == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
     per_block, s, _ = LAYOUT[qtype]
-    cfg = config or tiles(m, n, k, qtype, _compute_units(x.device))
+    cfg = config or tiles(m, n, k, qtype, num_compute_units(x.device))
     if cfg.dot and min(cfg.block_m, cfg.block_n, cfg.groups * s) < 16 or not cfg.dot and cfg.block_m > DECODE_MAX_M:
         raise ValueError(f"gguf_linear: {cfg} is not a valid tiling for {NAMES[qtype]} (tl.dot needs BLOCK_M, BLOCK_N "
                          f"and groups * {s} of at least 16; the decode path at most {DECODE_MAX_M} rows of x)")

@@ -24,13 +24,12 @@ x.dtype; without it the main kernel does that itself. Tiles: ``int4_config``.
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from chitu_core.kernels.triton.common import as_rows
+from chitu_core.kernels.triton.common import as_rows, num_compute_units
 from chitu_core.kernels.triton.split_k import sum_splits
 
 
@@ -58,13 +57,6 @@ def int4_config(m: int, n: int, k: int, group_size: int, num_compute_units: int)
     if m <= 16:
         return Int4Config(16, 128 if n <= 8192 else 64, 128, 8 if k >= 1024 else 1, True)
     return Int4Config(64, 128, 128, 4 if n <= 8192 and k >= 512 else 1, True, num_warps=4, num_stages=3)
-
-
-@lru_cache(maxsize=None)
-def _compute_units(device: torch.device) -> int:
-    from chitu_core.kernels.triton.attention import num_compute_units
-
-    return num_compute_units(device)
 
 
 @triton.jit
@@ -172,7 +164,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
-    cfg = config or int4_config(m, n, k, group_size, _compute_units(x.device))
+    cfg = config or int4_config(m, n, k, group_size, num_compute_units(x.device))
     if cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k // 8) < 16:
         raise ValueError(f"int4_linear: {cfg} uses tl.dot, which needs block_m, block_n >= 16 and block_k >= 128")
     steps = triton.cdiv(k, cfg.block_k)

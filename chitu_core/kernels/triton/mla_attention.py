@@ -40,7 +40,7 @@ import triton.language as tl
 from chitu_core.attention.contract import AttentionMetadata
 from chitu_core.attention.fp8 import FP8_DTYPE, check_scale
 from chitu_core.attention.mla import MLAAttentionBackend
-from chitu_core.kernels.triton.attention import num_compute_units
+from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.kv_cache import store_kv, store_target
 from chitu_core.kernels.triton.paged_attention import LOG2E, _find_seq, _reduce_splits_kernel, split_workspace

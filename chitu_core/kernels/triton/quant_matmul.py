@@ -21,7 +21,6 @@ the cast. Tile sizes: ``matmul_config``. The launch reads nothing back from the 
 """
 
 from dataclasses import dataclass, replace
-from functools import cache
 
 import torch
 import triton
@@ -36,7 +35,7 @@ from chitu_core.kernels.triton.act_quant import (
     quantize_groups,
     quantize_tile,
 )
-from chitu_core.kernels.triton.common import as_rows, pow2
+from chitu_core.kernels.triton.common import as_rows, num_compute_units, pow2
 from chitu_core.kernels.triton.split_k import sum_splits
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -86,15 +85,6 @@ def matmul_config(m: int, n: int, k: int, compute_units: int, operand_bytes: int
     programs = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     wanted = DECODE_PROGRAMS_PER_UNIT * compute_units
     return replace(config, split_k=min(triton.cdiv(k, config.block_k), max(1, triton.cdiv(wanted, programs))))
-
-
-@cache
-def _compute_units(device: torch.device) -> int:
-    """Multiprocessors (or the device's equivalent); 64 where torch does not say (the interpreter)."""
-    try:
-        return int(getattr(torch, device.type).get_device_properties(device).multi_processor_count)
-    except (AttributeError, RuntimeError, AssertionError):
-        return 64
 
 
 @triton.jit
@@ -199,7 +189,7 @@ def quant_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bi
         return (out.zero_() if bias is None else out.copy_(bias.expand(m, n))).view(*x.shape[:-1], n)
     bn_w, bk_w = block_size if block_size is not None else (1, 1)
     operand_bytes = 1 if act_quant else (4 if x.dtype == torch.float32 else 2)
-    config = config or matmul_config(m, n, k, _compute_units(x.device), operand_bytes)
+    config = config or matmul_config(m, n, k, num_compute_units(x.device), operand_bytes)
     block_k = config.block_k
     if block_size is not None:
         while bk_w % block_k:  # every K tile inside one block column
