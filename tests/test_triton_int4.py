@@ -1,8 +1,8 @@
 """The Triton int4_linear (``chitu_core.kernels.triton.int4_linear``) on the CPU, under Triton's interpreter.
 
 float32 activations (see test_triton_kernels.py for why), small shapes, every path the launcher can
-take: the FMA path (decode) and the tl.dot path, each with a K tile inside one group (scale after
-the products) and across groups (scale per packed row), split-K with its ordered second pass, ragged
+take: the matrix-vector kernel (one row) and the tl.dot tiles, the latter with a K tile inside one group
+(scale after the products) and across groups (scale per row), split-K with its in-kernel ordered sum, ragged
 N and K, leading dimensions, non-contiguous x and zeros, scales in three dtypes, bias or none, no
 rows. Against the float64 reference (``chitu_core.ops.quant_reference``); inputs left untouched.
 """
@@ -17,6 +17,9 @@ from test_ops import TOL, assert_unmodified, snapshot, strided, transposed
 
 with interpreter():
     import chitu_core.kernels.triton.int4_linear as int4
+    from chitu_core.kernels.triton.gemv import GemvConfig, gemv_config
+    from chitu_core.kernels.triton.int4_linear import Int4Config
+    from chitu_core.kernels.triton.split_k import split_counters
 
 
 @pytest.fixture(autouse=True)
@@ -44,17 +47,18 @@ def check(x, qweight, scales, zeros, group, bias=None, config=None):
     torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
 
 
-FMA, DOT = False, True
 CASES = [
-    # m, k, n, group, config (block_m, block_n, block_k, split_k, use_dot)
-    (1, 256, 64, 128, (1, 32, 128, 1, FMA)),   # one group a tile
-    (1, 512, 96, 128, (1, 32, 128, 4, FMA)),   # split-K, N ragged at the block
-    (3, 256, 40, 32, (4, 16, 128, 2, FMA)),    # groups of 32 inside a 128 tile: per-row scales
-    (2, 96, 24, 32, (2, 16, 64, 1, FMA)),      # K = 96 not a multiple of the tile
-    (2, 192, 16, 64, (2, 16, 32, 3, FMA)),     # split into 3 slices of two tiles
-    (5, 256, 48, 128, (16, 16, 128, 2, DOT)),  # tl.dot, one group a tile, split-K
-    (20, 256, 32, 64, (16, 32, 128, 1, DOT)),  # tl.dot across groups, two row blocks
-    (33, 384, 40, 128, (16, 32, 128, 1, DOT)),
+    # m, k, n, group, config: Int4Config (block_m, block_n, block_k, split_k) or GemvConfig (block_n, block_k, split_k)
+    (1, 256, 64, 128, GemvConfig(32, 128, 1)),  # matrix-vector: one group a tile
+    (1, 512, 96, 128, GemvConfig(32, 64, 4)),   # split-K, N ragged at the block
+    (1, 1024, 40, 32, GemvConfig(16, 32, 3)),   # groups of 32, three uneven slices
+    (1, 384, 48, 128, None),                    # the default matrix-vector tiles
+    (5, 256, 48, 128, Int4Config(16, 16, 128, 2)),  # one group a tile, split-K
+    (20, 256, 32, 64, Int4Config(16, 32, 128, 1)),  # tiles across groups (per-row scales), two row blocks
+    (3, 96, 24, 32, Int4Config(16, 16, 64, 1)),     # K = 96 not a multiple of the tile
+    (2, 192, 16, 64, Int4Config(16, 16, 32, 3)),    # split into 3 slices of two tiles
+    (33, 384, 40, 128, Int4Config(16, 32, 128, 1)),
+    (1, 256, 32, 128, Int4Config(16, 32, 128, 2)),  # one row through the tiled kernel, when asked
 ]
 
 
@@ -63,7 +67,8 @@ CASES = [
 def test_int4_linear_paths_match_the_reference(m, k, n, group, config, bias):
     x, qweight, scales, zeros = operands(m, k, n, group)
     b = torch.randn(n) if bias else None
-    check(x, qweight, scales, zeros, group, b, int4.Int4Config(*config))
+    check(x, qweight, scales, zeros, group, b, config)
+    assert split_counters(x.device).count_nonzero() == 0  # split-K leaves its counters as it found them
 
 
 def test_layouts_dtypes_and_leading_dimensions():
@@ -84,18 +89,26 @@ def test_default_configs_run(m):
 
 
 def test_configs_are_the_measured_tiles():
-    """The tiles int4_config picks are the ones the H100 sweep found fastest (see its docstring)."""
-    decode = [int4.int4_config(1, n, k, 128, 132) for n, k in [(6144, 4096), (4096, 14336), (28672, 4096)]]
-    assert [(c.block_m, c.block_n, c.split_k, c.use_dot) for c in decode] == [(16, 128, 8, True), (16, 128, 8, True),
-                                                                             (16, 64, 8, True)]
-    batch = [int4.int4_config(64, n, k, 128, 132) for n, k in [(4096, 4096), (28672, 4096)]]
-    assert [(c.block_m, c.block_n, c.split_k) for c in batch] == [(64, 128, 4), (64, 128, 1)]
-    assert all(c.split_k * c.block_k <= k for c, k in zip(decode, [4096, 14336, 4096]))
+    """The tiles picked are the ones the H100 sweeps found fastest (see the config functions' docstrings)."""
+    gemv = [gemv_config(n, k, 128, 132) for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]]
+    assert [(c.block_n, c.block_k, c.split_k) for c in gemv] == [(64, 128, 6), (64, 128, 9), (64, 128, 2),
+                                                                 (64, 128, 9)]
+    assert gemv_config(4096, 4096, 32, 132).block_k == 32
+
+
+def test_split_k_is_deterministic():
+    x, qweight, scales, zeros = operands(1, 2048, 64, 128, seed=3)
+    one = int4.int4_linear(x, qweight, scales, zeros, 128, None, GemvConfig(32, 128, 8))
+    assert torch.equal(one, int4.int4_linear(x, qweight, scales, zeros, 128, None, GemvConfig(32, 128, 8)))
 
 
 def test_operands_that_do_not_fit_are_errors():
     x, qweight, scales, zeros = operands(1, 256, 32, 64)
     with pytest.raises(ValueError, match="do not fit"):
         int4.int4_linear(x, qweight, scales, zeros, 128, None)
-    with pytest.raises(ValueError, match="needs block_m, block_n >= 16"):
-        int4.int4_linear(x, qweight, scales, zeros, 64, None, int4.Int4Config(1, 32, 128, 1, True))
+    with pytest.raises(ValueError, match="needs block_m, block_n and block_k >= 16"):
+        int4.int4_linear(x, qweight, scales, zeros, 64, None, Int4Config(1, 32, 128, 1))
+    with pytest.raises(ValueError, match="matrix-vector kernel's, for one row of x, not 2"):
+        int4.int4_linear(torch.cat([x, x]), qweight, scales, zeros, 64, None, GemvConfig(32, 64, 1))
+    with pytest.raises(ValueError, match="must be a multiple of 8 dividing group size 64"):
+        int4.int4_linear(x, qweight, scales, zeros, 64, None, GemvConfig(32, 128, 1))

@@ -12,12 +12,15 @@ One module per kernel family, each a launcher that matches its contract op exact
   moe.py              moe_route (one program per token) and fused_experts (grouped GEMMs over
                       expert-sorted slots, or per-slot matrix-vector products for decode)
   moe_align.py        fused_experts' sort of token slots by expert, padded to the GEMM's block rows
+  moe_fp8.py          fused_experts_fp8 (contract 1.3): moe.py's two paths over FP8 weights with block or
+                      channel scales, read as float8 or as bytes decoded in registers
   mla_attention.py    multi-head latent attention over the latent cache (contract 1.1)
-  int4_linear.py      int4_linear (AWQ/GPTQ/in-situ int4 after repacking): split-K decode, tl.dot tiles
+  int4_linear.py      int4_linear (AWQ/GPTQ/in-situ int4 after repacking): tl.dot tiles for several rows
+  gemv.py             int4_linear's matrix-vector kernel for one row (batch-1 decode)
   quant_matmul.py     the matmul behind fp8_linear.py and int8_linear.py (8-bit weights, per-channel or
                       block scales, 16-bit or dynamically quantized 8-bit activations: act_quant.py)
   gguf_linear.py      gguf_linear over GGUF's own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
-  split_k.py          the second pass of the split-K matmuls (partials summed in order, bias, cast)
+  split_k.py          split-K partial sums added in order: by the kernel's last slice, or a second pass
   ops.py              ``TRITON_OPS``: the op-contract names these kernels serve
 
 Importing this package does not import triton; importing any module above does.

@@ -16,8 +16,8 @@ Each program computes a [BLOCK_M, BLOCK_N] tile over one of SPLIT_K ranges of K,
 spreads the weight over enough programs to keep every multiprocessor streaming it: each weight byte
 is read once. ``DOT`` picks ``tl.dot`` (GEMM and M of a few tokens and more) or a broadcast multiply
 and reduction along K in registers (M of one or two). With SPLIT_K > 1 each program writes float32
-partial sums and ``_sum_splits_kernel`` adds them in order (deterministic; no atomics), the bias and
-the cast. Tile sizes: ``matmul_config``. The launch reads nothing back from the device (graph-safe).
+partial sums and the last slice of each output tile adds them in order (``split_k.finish_split``:
+deterministic, no second launch), with the bias and the cast. Tile sizes: ``matmul_config``. The launch reads nothing back from the device (graph-safe).
 """
 
 from dataclasses import dataclass, replace
@@ -36,7 +36,7 @@ from chitu_core.kernels.triton.act_quant import (
     quantize_tile,
 )
 from chitu_core.kernels.triton.common import as_rows, num_compute_units, pow2
-from chitu_core.kernels.triton.split_k import sum_splits
+from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, split_counters
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -99,8 +99,8 @@ def _weight_tile(ptrs, mask, W_KIND: tl.constexpr, CT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _quant_matmul_kernel(
-    out_ptr, x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, M, N, K, split_k,
-    stride_xm, stride_xk, stride_xs, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_b, stride_om, stride_os,
+    out_ptr, partials_ptr, counters, x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, M, N, K, split_k,
+    stride_xm, stride_xk, stride_xs, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_b, stride_om,
     W_KIND: tl.constexpr, A_MODE: tl.constexpr, W_BLOCKS: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr,
     QMAX: tl.constexpr, CT: tl.constexpr, ACC_T: tl.constexpr, W_FACTOR: tl.constexpr, DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -161,14 +161,9 @@ def _quant_matmul_kernel(
         result = result * (tl.load(ws_ptr + n * stride_wsn, mask=n_ok, other=0.0) * W_FACTOR)[None, :]
         if A_MODE != "x":
             result = result * a_scale[:, None]
-    mask = m_ok[:, None] & n_ok[None, :]
-    if PARTIALS:
-        tl.store(out_ptr + tl.program_id(2) * stride_os + m64[:, None] * stride_om + n[None, :], result, mask=mask)
-    else:
-        if HAS_BIAS:
-            result += tl.load(bias_ptr + n * stride_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m64[:, None] * stride_om + n[None, :], result.to(out_ptr.dtype.element_ty), mask=mask)
-
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    finish_split(result, out_ptr, partials_ptr, counters, bias_ptr, m, n, m_ok[:, None] & n_ok[None, :], M, N,
+                 stride_om, stride_b, tile, tl.program_id(2), split_k, PARTIALS, HAS_BIAS)
 
 def quant_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, *,
                  w_kind: str, act_quant: str | None, block_size: tuple[int, int] | None,
@@ -206,20 +201,20 @@ def quant_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bi
         a_mode = act_quant
     ct, acc_t = _compute_types(x.dtype, w_kind, act_quant, a_mode, dot)
     split = config.split_k
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), split)
+    if split > 1:
+        check_split_tiles(grid[0] * grid[1], "quant_matmul")
     partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     w = weight.view(torch.uint8) if w_kind == "fp8_bytes" else weight
     b = bias if bias is not None else out  # an unread stand-in
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), split)
     _quant_matmul_kernel[grid](
-        partials, x_in, xs, w, scales, b, m, n, k, split, x_in.stride(0), x_in.stride(1), xs.stride(0),
-        w.stride(0), w.stride(1), scales.stride(0), scales.stride(-1), b.stride(-1), n, m * n,
+        out, partials, split_counters(x.device), x_in, xs, w, scales, b, m, n, k, split, x_in.stride(0),
+        x_in.stride(1), xs.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(-1), b.stride(-1), n,
         W_KIND=w_kind, A_MODE=a_mode, W_BLOCKS=block_size is not None, BN_W=bn_w, BK_W=bk_w,
         QMAX=INT8_MAX if act_quant == "int8" else FP8_MAX, CT=ct, ACC_T=acc_t,
         W_FACTOR=FP8_BYTES_FACTOR if w_kind == "fp8_bytes" else 1.0, DOT=dot, HAS_BIAS=bias is not None,
         PARTIALS=split > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    if split > 1:
-        sum_splits(partials.view(split, m, n), out, bias)
     return out.view(*x.shape[:-1], n)
 
 

@@ -1,9 +1,59 @@
-"""The second pass of split-K matmuls: float32 partial sums added in a fixed order (deterministic, no
-atomics), the bias added once, the result cast to the output's dtype."""
+"""Split-K matmuls: float32 partial sums added in a fixed order (deterministic), the bias added once,
+the result cast to the output's dtype. Two ways:
+
+* ``finish_split`` (in the matmul kernel itself, no second launch): each slice of K stores its tile of
+  partial sums, then bumps its output tile's counter (acquire-release); the slice that arrives last adds
+  every slice in order, stores the tile and resets the counter. The counters are one zeroed buffer per
+  device (``split_counters``) that every launch leaves zeroed again, so launches queued on one stream
+  (and graph replays of them) share it; split-K kernels must not run concurrently on several streams.
+* ``sum_splits``: a second kernel over the partials [S, M, N].
+"""
+
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
+
+MAX_SPLIT_TILES = 1 << 16
+
+
+@cache
+def split_counters(device: torch.device) -> torch.Tensor:
+    """One zeroed int32 counter per output tile, shared by the split-K launches on ``device``."""
+    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+
+
+def check_split_tiles(tiles: int, what: str) -> None:
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"{what}: {tiles} output tiles split along K exceed the {MAX_SPLIT_TILES} counters; "
+                         "use larger tiles or no split")
+
+
+@triton.jit
+def finish_split(acc, out, partials, counters, bias, rm, rn, mask, M, N, stride_om, stride_b, tile, pid_s, split,
+                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Store acc [BM, BN] (float32 sums over this program's slice of K; rows rm, columns rn) into out
+    [M, N] (row stride stride_om, column stride 1) + bias: directly without SPLIT_K, else through
+    partials [split, M, N] (contiguous) and ``tile``'s counter, the last slice adding them in order."""
+    offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    if not SPLIT_K:
+        if HAS_BIAS:
+            acc += tl.load(bias + rn * stride_b, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+    else:
+        part = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(partials + pid_s * M * N + part, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partials written before the counter moves
+        done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+        if done == split - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in range(split):
+                total += tl.load(partials + s * M * N + part, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias + rn * stride_b, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out + offs, total.to(out.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counters + tile, 0)
 
 
 @triton.jit(do_not_specialize=["total"])

@@ -1,4 +1,4 @@
-"""Tile sweep of the quantized-linear Triton kernels at Llama-3.1-8B's shapes, M = 1 and 64: for each
+"""Tile sweep of the quantized-linear Triton kernels at Llama-3.1-8B's shapes, M = 1 and 64 (SWEEP_M): for each
 op variant and shape, the fastest config found (CUDA-graph timing, as quant_kernels.py) and its share of
 the byte floor; prints one line per result as it goes (so a timeout keeps what was found).
 
@@ -6,6 +6,7 @@ the byte floor; prints one line per result as it goes (so a timeout keeps what w
 """
 
 import itertools
+import os
 import sys
 
 import torch
@@ -19,6 +20,8 @@ from chitu_core.kernels.triton.quant_matmul import MatmulConfig
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from quant_kernels import DEV, SHAPES, operands, timed  # noqa: E402
 
+MS = tuple(int(m) for m in os.environ.get("SWEEP_M", "1 64").split())
+
 
 def matmul_candidates(m: int):
     if m <= 16:
@@ -29,10 +32,11 @@ def matmul_candidates(m: int):
 
 
 def int4_candidates(m: int):
-    if m <= 16:
-        return ([Int4Config(1, bn, bk, s, False) for bn, bk, s in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8))]
-                + [Int4Config(16, bn, 128, s, True, w) for bn, s, w in itertools.product((64, 128), (1, 2, 4, 8), (4, 8))])
-    return [Int4Config(64, bn, 128, s, True, w, st) for bn, s, (w, st) in itertools.product((64, 128), (1, 2, 4), ((4, 3), (8, 3), (4, 4)))]
+    if m == 1:
+        return []  # one row takes the matrix-vector kernel: gemv_sweep.py
+    bms = (16,) if m <= 16 else (32, 64)
+    return [Int4Config(bm, bn, bk, s, w, st) for bm, bn, bk, s, (w, st) in
+            itertools.product(bms, (64, 128), (64, 128), (1, 2, 4), ((4, 3), (8, 3)))]
 
 
 VARIANTS = {
@@ -51,7 +55,7 @@ def main() -> int:
         op, variant, kernel, candidates = VARIANTS[name]
         for sname, (n, k) in SHAPES.items():
             args, wbytes = operands(op, n, k, variant)
-            for m in (1, 64):
+            for m in MS:
                 x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
                 default = timed(lambda: kernel(x, *args))
                 best = (default, "default")

@@ -1,0 +1,119 @@
+"""int4_linear for one row of x (batch-1 decode): a matrix-vector product that streams the packed weight.
+
+Weights as ``int4_linear`` reads them (int32 [K/8, N], nibble j of word [i, n] = q[8i + j, n]), scales
+and zeros [K/G, N]. A program owns BLOCK_N output columns and one of ``split`` slices of K; each step
+it loads a [BLOCK_K/8, BLOCK_N] tile of words (coalesced along N; the next tile's load is issued
+before this one is used), and for each nibble j multiplies 1 + q/16 (the nibble moved under the
+exponent of 1.0: a shift, a mask, no conversion) by the x of features 8i + j. A tile lies in one
+group (BLOCK_K divides G), so per packed row sum x (q - z) s = (16 sum x (1 + q/16) - (16 + z) sum x) s;
+the rows are added once, after the loop.
+
+Split-K without a second launch (``split_k.finish_split``): the last slice of a column block to finish
+adds every slice's float32 partial sums in order (deterministic), with the bias. Tiles: ``gemv_config``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from chitu_core.kernels.triton.common import num_compute_units
+from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, split_counters
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """block_n output columns a program, block_k features a step (a multiple of 8 dividing the group
+    size), split_k slices of K (each its own program), num_warps."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def gemv_config(n: int, k: int, group_size: int, compute_units: int) -> GemvConfig:
+    """Tiles from the sweep on an H100 at Llama-3.1-8B's shapes (plugins/nvidia/scripts/gemv_sweep.py):
+    64 columns, 128 features a step, 4 warps; K split until there are about four programs per compute
+    unit. (There: 0.31-0.50 of the byte floor, 1.6-1.9x the tl.dot tiles it replaced at batch 1.)"""
+    block_n, block_k = 64, min(128, group_size)
+    programs = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = max(1, min(steps, triton.cdiv(4 * compute_units, programs)))
+    return GemvConfig(block_n, block_k, split)
+
+
+@triton.jit
+def _nibble_sixteenths(w, J: tl.constexpr):
+    """1 + q/16 for nibble J of each word of w, exactly: q moved into the top four mantissa bits of 1.0."""
+    if 4 * J <= 19:
+        bits = w << (19 - 4 * J)
+    else:
+        bits = w >> (4 * J - 19)
+    return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["k_per_split", "split"])
+def _int4_gemv_kernel(
+    out, partials, counters, x, qweight, scales, zeros, bias, N, K, group_size, k_per_split, split,
+    stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_b,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    R: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    ri = tl.arange(0, R)
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_cols = qweight + rn[None, :] * stride_qn
+    # the next tile's words are loaded before this one is used
+    acc2 = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+    nxt = tl.load(w_cols + (k_lo // 8 + ri).to(tl.int64)[:, None] * stride_qk, mask=n_ok[None, :], other=0)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = nxt
+        rows = k0 // 8 + ri
+        nxt = tl.load(w_cols + (rows + R).to(tl.int64)[:, None] * stride_qk,
+                      mask=((rows + R) * 8 < k_hi)[:, None] & n_ok[None, :], other=0)
+        grp = k0 // group_size
+        s = tl.load(scales + grp * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(zeros + grp * stride_zg + rn * stride_zn, mask=n_ok, other=0.0).to(tl.float32)
+        t = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+        sxr = tl.zeros((R,), dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x + (rows * 8 + j) * stride_xk).to(tl.float32)
+            t += _nibble_sixteenths(w, j) * xj[:, None]  # x (1 + q/16): one shift, one mask, one FMA
+            sxr += xj
+        # sum x (q - z) s with q = 16 (1 + q/16) - 16, per packed row; rows are added after the loop
+        acc2 += (16.0 * t - (16.0 + z)[None, :] * sxr[:, None]) * s[None, :]
+    acc = tl.sum(acc2, axis=0)
+    finish_split(acc[None, :], out, partials, counters, bias, tl.arange(0, 1), rn, n_ok[None, :], 1, N, N, stride_b,
+                 pid_n, pid_s, split, SPLIT_K, HAS_BIAS)
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [K] or [1, K] -> [N] or [1, N] in x.dtype; operands checked by the caller (``int4_linear``)."""
+    k, n = x.shape[-1], qweight.shape[1]
+    cfg = config or gemv_config(n, k, group_size, num_compute_units(x.device))
+    if group_size % cfg.block_k or cfg.block_k % 8:
+        raise ValueError(f"int4_gemv: block_k {cfg.block_k} must be a multiple of 8 dividing group size {group_size}")
+    row = x.reshape(k)
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    steps = triton.cdiv(k, cfg.block_k)
+    k_per_split = triton.cdiv(steps, max(1, min(cfg.split_k, steps))) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    blocks = triton.cdiv(n, cfg.block_n)
+    if split > 1:
+        check_split_tiles(blocks, "int4_gemv")
+    partials = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out
+    _int4_gemv_kernel[(blocks, split)](
+        out, partials, split_counters(x.device), row, qweight, scales, zeros, b, n, k, group_size, k_per_split, split,
+        row.stride(0), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split > 1, HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.reshape(*x.shape[:-1], n)
