@@ -1,23 +1,39 @@
-"""``python -m chitu_core.convert MODEL OUTPUT --quantization fp8|int8|int4``: quantize a 16-bit HF
-checkpoint once, into a directory the engine then loads as a quantized checkpoint.
+"""``python -m chitu_core.convert MODEL OUTPUT --quantization fp8|int8|int4|none [--tp N]``: quantize a
+16-bit HF checkpoint once, and/or split it for N tensor-parallel ranks, into a directory the engine
+then loads as it is.
 
 Which tensors are quantized is the model's own answer. Its class (from the model plugin) is built on
 torch's ``meta`` device, which allocates nothing, and a checkpoint tensor is quantized exactly when it
-is the ``weight`` of one of its linear layers (``LinearBase``, found through ``map_weight_name``).
-Everything else (embeddings, LM head, norms, MoE routers, and, for now, the routed MoE experts, which
-``FusedMoE`` cannot hold quantized yet) is copied in its own dtype and listed in the config's ignore
-field; tensors the model skips (``CausalLM.skip_weight``) are left out.
+is the ``weight`` of one of its linear layers (``LinearBase``, found through ``map_weight_name``), or
+one routed expert's projection (``experts.{e}.gate_proj.weight``, loaded into a ``FusedMoE``) where the
+method holds experts (``QuantMethod.holds_experts``: fp8). Everything else (embeddings, LM head, norms,
+MoE routers, and the routed experts of a method that holds none: int8, int4) is copied in its own
+dtype and listed in the config's ignore field; tensors the model skips (``CausalLM.skip_weight``) are
+left out.
 
 The method and its options are the in-situ choice of ``--quantization`` (``quantization.select.IN_SITU``).
-Each linear weight ``X.weight`` becomes the tensors ``QuantMethod.quantize`` returns, named ``X.<key>``
-(``X.weight`` and ``X.weight_scale_inv`` for fp8), so that loading the result computes what quantizing
-in situ does. config.json gets the ``quantization_config`` the format's own producers write
-(``CHECKPOINT_FORMATS``); tokenizer files, generation_config.json and the other small files are copied.
+Each such weight ``X.weight`` becomes the tensors ``QuantMethod.quantize`` returns, named ``X.<key>``
+(``X.weight`` and ``X.weight_scale_inv`` for fp8; an expert's gate, up and down each on its own, as
+DeepSeek-V3's FP8 checkpoints store them), so that loading the result computes what quantizing in situ
+does. In situ, fp8 quantizes each expert's gate and up as one [2I, H] matrix, whose 128-row blocks are
+gate's or up's alone only where I is a multiple of 128; that is also what ``FusedMoE`` needs to load
+such a checkpoint, so convert refuses other sizes (``_check_experts``). config.json gets the
+``quantization_config`` the format's own producers write (``CHECKPOINT_FORMATS``); tokenizer files,
+generation_config.json and the other small files are copied.
 
 Streaming: one tensor at a time is read, quantized on ``--device`` and added to safetensors shards of at
 most ``--max-shard-size`` (with an index json where there are several, as ``save_pretrained`` writes).
 All of it goes into a hidden directory beside OUTPUT, renamed to OUTPUT at the end: an interrupted run
 leaves no OUTPUT behind, and an existing one (replaced only with ``--force``) stays until then.
+
+``--tp N`` (N > 1) pre-shards: each tensor, once quantized, is split into the part each rank holds and
+written to ``rank-{r}/`` (its own shards and index); config.json (with ``"chitu_tensor_parallel":
+{"size": N}``) and the small files stay at the top (``loader.hf``). The parts are the loaders' own:
+the model is built on ``meta`` for each rank as the engine builds it to load the result, and a
+checkpoint tensor's part is its parameter's ``local_part`` (``layers.weights.set_loader``), or the
+whole tensor for a replicated parameter; fused layers' parts (q/k/v, gate/up) and each expert's
+projections keep their checkpoint names. Every tensor's split is tried on empty tensors before
+anything is written.
 """
 
 import argparse
@@ -26,10 +42,11 @@ import re
 import secrets
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,16 +57,29 @@ from tqdm.auto import tqdm
 
 from chitu_core.distributed.communicator import Communicator
 from chitu_core.engine.engine import build_attention
-from chitu_core.errors import ChituError
+from chitu_core.errors import ChituError, ModelLoadError
 from chitu_core.layers.context import BuildContext
 from chitu_core.layers.linear import LinearBase
-from chitu_core.loader.hf import INDEX_FILE, HFModelDir, open_model_dir, read_header
+from chitu_core.layers.moe import FusedMoE
+from chitu_core.loader.hf import (
+    INDEX_FILE,
+    TENSOR_PARALLEL_FIELD,
+    HFModelDir,
+    open_model_dir,
+    rank_dir,
+    read_header,
+)
 from chitu_core.model import CausalLM
 from chitu_core.ops.table import resolve_ops
 from chitu_core.plugins.discovery import hook_registry, load_model_class
 from chitu_core.quantization import QuantMethod
 from chitu_core.quantization.registry import all_quant_methods
-from chitu_core.quantization.select import IN_SITU
+from chitu_core.quantization.select import (
+    IN_SITU,
+    QuantSpec,
+    apply_layer_choices,
+    select_quantization,
+)
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 FLOAT_DTYPES = {"F16", "BF16", "F32"}  # safetensors dtype names of the weights convert quantizes
@@ -107,8 +137,11 @@ CHECKPOINT_FORMATS: dict[str, Callable[[Mapping[str, Any], Ignored], dict[str, A
 # --- which tensors -------------------------------------------------------------------------------
 
 
-class _NoAttentionBackends:
-    """A backend that declares no attention: ``build_attention`` then builds the core's reference."""
+class _SkeletonBackend:
+    """A backend that declares no attention (``build_attention`` then builds the core's reference) and
+    runs every quantization method, with no preferences: what a skeleton is built with."""
+
+    name = "skeleton"
 
     def attention_backends(self) -> dict:
         return {}
@@ -116,35 +149,55 @@ class _NoAttentionBackends:
     def mla_attention_backends(self) -> dict:
         return {}
 
+    def quant_methods(self) -> frozenset[str]:
+        return frozenset(all_quant_methods())
 
-def build_skeleton(model_dir: HFModelDir) -> CausalLM:
-    """The model of ``model_dir`` from its plugin, unquantized, every tensor on the ``meta`` device."""
+    def quant_preferences(self, method: str) -> dict:
+        return {}
+
+
+def build_skeleton(model_dir: HFModelDir, quant: QuantSpec | None = None, comm: Communicator | None = None) -> CausalLM:
+    """The model of ``model_dir`` from its plugin, every tensor on the ``meta`` device: unquantized on
+    one rank, or as the engine builds it for rank ``comm.rank`` of ``comm.world_size`` to load a
+    checkpoint quantized as ``quant`` says."""
     cls = load_model_class(model_dir.architecture)
     meta = torch.device("meta")
     dtype = model_dir.config_dtype() or torch.bfloat16
+    quant, comm = quant or QuantSpec(), comm or Communicator.single()
     with meta:  # tables computed at construction (RoPE's) are meta as well: nothing is allocated
-        attention = build_attention(_NoAttentionBackends(), cls.kv_geometry(model_dir.config, 1), None, dtype, meta)
-        ctx = BuildContext(resolve_ops("reference", {}), attention, Communicator.single(), dtype, meta)
-        return cls(model_dir.config, ctx)
+        geometry = cls.kv_geometry(model_dir.config, comm.world_size)
+        attention = build_attention(_SkeletonBackend(), geometry, None, dtype, meta)
+        ctx = BuildContext(resolve_ops("reference", {}), attention, comm, dtype, meta, quant)
+        model = cls(model_dir.config, ctx)
+    unfused: dict[str, tuple[str, ...]] = {}  # as the engine: fused name -> its checkpoint parts
+    for fused, part, _ in model.stacked_params:
+        unfused[fused.strip(".")] = unfused.get(fused.strip("."), ()) + (part.strip("."),)
+    apply_layer_choices(model, quant, unfused)
+    return model
 
 
 @dataclass
 class Plan:
     """What happens to each checkpoint tensor: quantized, dropped, or (the rest) copied as it is."""
 
-    quantize: set[str]  # checkpoint names of the linear layers' weights
+    quantize: set[str]  # checkpoint names of the linear layers' weights and, where the method holds them, experts'
     drop: set[str]  # tensors the model skips (stale RoPE tables, DeepSeek-V3's multi-token-prediction layer)
     ignored: Ignored
     num_tensors: int
 
 
-def plan_checkpoint(model_dir: HFModelDir, method: QuantMethod, quantization: str) -> Plan:
-    """Find the linear weights to quantize, checking that they are floating point, that every tensor
-    is one of the model's, and that the format can hold the model's fused layers as our loader puts them."""
+def plan_checkpoint(model_dir: HFModelDir, method: QuantMethod | None, quantization: str) -> Plan:
+    """Find the weights to quantize (none where ``method`` is None), checking that they are floating
+    point, that every tensor is one of the model's, and that the format can hold the model's fused
+    layers and experts as our loader puts them."""
     model = build_skeleton(model_dir)
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}  # tied ones too
     linears = {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
-    _check_fused_parts(linears, method, quantization)
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)} \
+        if method is not None and method.holds_experts else {}
+    if method is not None:
+        _check_fused_parts(linears, method, quantization)
+        _check_experts(experts, method)
     plan = Plan(set(), set(), Ignored(), 0)
     not_float, unknown = [], []
     for file in model_dir.weight_files:
@@ -157,7 +210,8 @@ def plan_checkpoint(model_dir: HFModelDir, method: QuantMethod, quantization: st
             module, _, leaf = param.rpartition(".")
             if param not in params:
                 unknown.append(name)
-            elif module in linears and leaf == "weight" and name.endswith(".weight"):
+            elif method is not None and name.endswith(".weight") and (
+                    module in linears and leaf == "weight" or module in experts and leaf in ("w13", "w2")):
                 plan.quantize.add(name)
                 if info["dtype"] not in FLOAT_DTYPES:
                     not_float.append(f"{file.name}: tensor {name!r} is stored as {info['dtype']}")
@@ -198,6 +252,83 @@ def _check_fused_parts(linears: Mapping[str, LinearBase], method: QuantMethod, q
                         f"elements of the {method.name} tensor {pname!r}, so a checkpoint of this format cannot "
                         f"hold this model's fused layers; quantize while loading instead (--quantization "
                         f"{quantization} with the 16-bit checkpoint)")
+
+
+def _check_experts(layers: Mapping[str, FusedMoE], method: QuantMethod) -> None:
+    """The format holds each MoE layer's experts as ``FusedMoE`` loads them: the method makes the
+    layer's parameters, and refuses sizes it cannot hold (fp8: gate's and up's rows on whole 128-row
+    blocks, so that I is a multiple of 128; then each block is gate's or up's, as in situ, where the
+    [2I, H] matrix is quantized whole)."""
+    for name, layer in layers.items():
+        holder = nn.Module()
+        holder.tp_size = layer.tp_size  # as FusedMoE: the method checks a rank's share
+        try:
+            method.create_expert_weights(holder, layer.num_experts, layer.hidden_size, layer.local_inter,
+                                         torch.float32, torch.device("meta"))
+        except ChituError as exc:
+            raise ChituError(f"{name}: its routed experts cannot be stored as {method.name}: {exc}") from None
+
+
+# --- which rank holds what ------------------------------------------------------------------------
+
+
+class RankParts:
+    """The part of each converted tensor that each of ``size`` tensor-parallel ranks holds, taken by
+    the loaders of the model built for that rank (on ``meta``, as the engine builds it to load a
+    checkpoint quantized as ``quant`` says): a split parameter's ``local_part``, or the whole tensor
+    for a replicated one."""
+
+    def __init__(self, model_dir: HFModelDir, quant: QuantSpec, size: int):
+        try:
+            self.models = [build_skeleton(model_dir, quant, Communicator(None, size, rank)) for rank in range(size)]
+        except (ValueError, ModelLoadError) as exc:  # a dimension that does not divide (linear._divide), or
+            # a rank's share of the experts that the format cannot hold (FusedMoE, through the method)
+            raise ChituError(f"{model_dir.architecture} cannot be split over {size} tensor-parallel ranks: {exc}") from None
+        self.params = [dict(m.named_parameters(remove_duplicate=False)) for m in self.models]  # tied ones too
+
+    def split(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """``tensor``, the converted checkpoint's tensor ``name``, as each rank holds it (views of it)."""
+        parts = []
+        for model, params in zip(self.models, self.params):
+            param_name, shard_id = model.map_weight_name(name)
+            param = params.get(param_name)
+            if param is None:
+                raise ChituError(f"tensor {name!r} loads into {param_name!r}, which the model built to load the "
+                                 "converted checkpoint does not have")
+            local_part = getattr(param, "local_part", None)
+            if local_part is not None:
+                try:
+                    parts.append(local_part(param, tensor, shard_id))
+                except ChituError as exc:
+                    raise ChituError(f"tensor {name!r}: {exc}") from None
+            elif tuple(tensor.shape) == tuple(param.shape):
+                parts.append(tensor)  # replicated
+            else:
+                layer = type(model.get_submodule(param_name.rpartition(".")[0])).__name__
+                raise ChituError(
+                    f"tensor {name!r} cannot be split for tensor parallelism by convert: {layer} loads it into "
+                    f"{param_name} {list(param.shape)} without declaring the part a rank holds (local_part, see "
+                    "chitu_core.layers.weights.set_loader); convert without --tp, and the engine splits it at load")
+        return parts
+
+    def linears(self) -> dict[str, LinearBase]:
+        """Rank 0's linear layers (every rank's have the same shapes and fused offsets)."""
+        return {name: m for name, m in self.models[0].named_modules() if isinstance(m, LinearBase)}
+
+
+def _meta_outputs(model_dir: HFModelDir, plan: Plan, method: QuantMethod | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The converted checkpoint's tensors, by name, as empty ``meta`` tensors of their shapes."""
+    meta = torch.device("meta")
+    for file in model_dir.weight_files:
+        for name, info in read_header(file).items():
+            if name in plan.quantize:
+                holder = nn.Module()
+                out_features, in_features = info["shape"]
+                method.create_checkpoint_weights(holder, in_features, out_features, torch.float32, meta)
+                for key, param in holder.named_parameters():
+                    yield name.removesuffix("weight") + key, param
+            elif name not in plan.drop:
+                yield name, torch.empty(info["shape"], device=meta)
 
 
 # --- writing ---------------------------------------------------------------------------------------
@@ -252,20 +383,28 @@ class Converted:
     """What ``convert`` wrote."""
 
     path: Path
-    method: str
-    quantized: int  # linear weights quantized
+    method: str  # "unquantized" for --quantization none
+    quantized: int  # weights quantized (linear layers', routed experts' projections)
     kept: int  # tensors copied as they are
     dropped: int  # tensors the model skips, left out
-    shards: int
+    shards: int  # safetensors files, over every rank
     total_bytes: int
+    tp: int = 1  # tensor-parallel ranks it is split for
 
 
-def convert(model: str | Path, output: str | Path, quantization: str, *, device: str = "cpu", force: bool = False,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> Converted:
-    """Quantize the 16-bit checkpoint in ``model`` with ``--quantization``'s method into ``output`` (see
-    the module docstring). Refuses to replace an existing ``output`` unless ``force``."""
-    if quantization not in IN_SITU:
+def convert(model: str | Path, output: str | Path, quantization: str | None = None, *, tp: int = 1,
+            device: str = "cpu", force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            progress: bool = True) -> Converted:
+    """Quantize the 16-bit checkpoint in ``model`` with ``--quantization``'s method (None or "none":
+    as it is) and split it for ``tp`` tensor-parallel ranks, into ``output`` (see the module
+    docstring). Refuses to replace an existing ``output`` unless ``force``."""
+    quantization = None if quantization == "none" else quantization
+    if quantization is not None and quantization not in IN_SITU:
         raise ChituError(f"unknown --quantization {quantization!r}; choose one of {', '.join(IN_SITU)}")
+    if not isinstance(tp, int) or tp < 1:
+        raise ChituError(f"--tp {tp!r}: the tensor-parallel size is a positive integer")
+    if quantization is None and tp == 1:
+        raise ChituError(f"nothing to do: give --quantization ({', '.join(IN_SITU)}), --tp N (N > 1), or both")
     src, out = Path(model).expanduser(), Path(output).expanduser()
     model_dir = open_model_dir(src)
     config = json.loads((src / "config.json").read_text())
@@ -273,20 +412,37 @@ def convert(model: str | Path, output: str | Path, quantization: str, *, device:
         fmt = config["quantization_config"].get("quant_method")
         raise ChituError(f"{src} is quantized already (its config.json's quantization_config is {fmt!r}); "
                          "convert reads 16-bit checkpoints only")
-    method = _method(quantization)
+    if model_dir.presharded:
+        raise ChituError(f"{src} is pre-sharded already (for {model_dir.sharded_for} tensor-parallel ranks); "
+                         "convert reads an unsharded checkpoint")
+    method = _method(quantization) if quantization is not None else None
     _check_output(src, out, force)
-    dev = _device(device)
+    dev = _device(device) if method is not None else torch.device("cpu")
     plan = plan_checkpoint(model_dir, method, quantization)
-    config["quantization_config"] = CHECKPOINT_FORMATS[method.name](method.options, plan.ignored)
+    if method is not None:
+        config["quantization_config"] = CHECKPOINT_FORMATS[method.name](method.options, plan.ignored)
+    ranks = None
+    if tp > 1:
+        quant = select_quantization(SimpleNamespace(quantization_config=config.get("quantization_config")), None,
+                                    _SkeletonBackend())
+        ranks = RankParts(model_dir, quant, tp)
+        if method is not None:
+            _check_fused_parts(ranks.linears(), method, quantization)
+        for name, tensor in _meta_outputs(model_dir, plan, method):  # every split tried before anything is written
+            ranks.split(name, tensor)
+        config[TENSOR_PARALLEL_FIELD] = {"size": tp}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _hidden_sibling(out, "partial")
     try:
-        shards = ShardWriter(tmp, max_shard_bytes)
-        with tqdm(total=plan.num_tensors, desc=f"Quantizing ({quantization})", unit="tensor",
-                  disable=not progress) as bar:
-            _write_weights(model_dir, plan, method, dev, shards, bar)
-        num_shards = shards.finish()
+        dirs = [tmp] if tp == 1 else [rank_dir(tmp, rank) for rank in range(tp)]
+        for d in dirs:
+            d.mkdir(exist_ok=True)
+        writers = [ShardWriter(d, max_shard_bytes) for d in dirs]
+        desc = (f"Quantizing ({quantization})" if quantization else "Splitting") + (f" for {tp} ranks" if tp > 1 else "")
+        with tqdm(total=plan.num_tensors, desc=desc, unit="tensor", disable=not progress) as bar:
+            _write_weights(model_dir, plan, method, dev, writers, ranks, bar)
+        num_shards = sum(w.finish() for w in writers)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for file in sorted(src.iterdir()):
             if file.is_file() and file.name != "config.json" and not file.name.endswith(WEIGHT_SUFFIXES):
@@ -296,22 +452,31 @@ def convert(model: str | Path, output: str | Path, quantization: str, *, device:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     kept = plan.num_tensors - len(plan.quantize) - len(plan.drop)
-    return Converted(out, method.name, len(plan.quantize), kept, len(plan.drop), num_shards, shards.total_bytes)
+    return Converted(out, method.name if method else "unquantized", len(plan.quantize), kept, len(plan.drop),
+                     num_shards, sum(w.total_bytes for w in writers), tp)
 
 
 @torch.no_grad()
-def _write_weights(model_dir: HFModelDir, plan: Plan, method: QuantMethod, device: torch.device,
-                   shards: ShardWriter, bar: tqdm) -> None:
-    """Each checkpoint tensor, one at a time: quantized on ``device``, copied, or dropped, as ``plan`` says."""
+def _write_weights(model_dir: HFModelDir, plan: Plan, method: QuantMethod | None, device: torch.device,
+                   writers: list[ShardWriter], ranks: RankParts | None, bar: tqdm) -> None:
+    """Each checkpoint tensor, one at a time: quantized on ``device``, copied, or dropped, as ``plan``
+    says; then whole into the one writer, or each rank's part into its writer (``ranks``)."""
     for file in model_dir.weight_files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name in plan.quantize:
                     stem = name.removesuffix("weight")
-                    for key, value in method.quantize(f.get_tensor(name).to(device)).items():
-                        shards.add(stem + key, value.to("cpu"))
+                    outputs = {stem + key: value.to("cpu")
+                               for key, value in method.quantize(f.get_tensor(name).to(device)).items()}
                 elif name not in plan.drop:
-                    shards.add(name, f.get_tensor(name))
+                    outputs = {name: f.get_tensor(name)}
+                else:
+                    outputs = {}
+                for out_name, tensor in outputs.items():
+                    parts = [tensor] if ranks is None else ranks.split(out_name, tensor)
+                    for writer, part in zip(writers, parts):
+                        # a slice is copied, so that the shard being written holds no more than its parts
+                        writer.add(out_name, part.clone() if part.numel() < tensor.numel() else part)
                 bar.update(1)
 
 
@@ -391,10 +556,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chitu_core.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="HF model directory with a 16-bit checkpoint (config.json + *.safetensors)")
-    parser.add_argument("output", help="directory to write the quantized checkpoint to")
-    parser.add_argument("--quantization", required=True, choices=list(IN_SITU),
+    parser.add_argument("output", help="directory to write the converted checkpoint to")
+    parser.add_argument("--quantization", choices=[*IN_SITU, "none"],
                         help="fp8: FP8 e4m3 in 128x128 blocks; int8: int8 per channel (W8A8, compressed-tensors); "
-                        "int4: 4-bit in groups of 128 (AWQ GEMM)")
+                        "int4: 4-bit in groups of 128 (AWQ GEMM); none (the default): as it is, with --tp")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="split for N tensor-parallel ranks: rank r's weights in OUTPUT/rank-r, which the engine "
+                        "loads on exactly N ranks (default: 1, unsplit)")
     parser.add_argument("--device", default="cpu", help="backend to quantize on: a name `python -m chitu_core.plugins` lists, or auto (default: cpu)")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES, metavar="SIZE",
@@ -402,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        done = convert(args.model, args.output, args.quantization, device=args.device, force=args.force,
+        done = convert(args.model, args.output, args.quantization, tp=args.tp, device=args.device, force=args.force,
                        max_shard_bytes=args.max_shard_size, progress=not args.quiet)
     except ChituError as exc:
         print(f"convert: {exc}", file=sys.stderr)
@@ -410,8 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"convert: interrupted; {args.output} was not written", file=sys.stderr)
         return 130
-    print(f"wrote {done.path}: {done.quantized} linear weights quantized ({done.method}), {done.kept} tensors kept, "
-          f"{done.total_bytes / 2**30:.2f} GiB in {done.shards} shard(s)")
+    what = f"{done.quantized} linear weights quantized ({done.method}), {done.kept} tensors kept" if done.quantized \
+        else f"{done.kept} tensors"
+    split = f", split for {done.tp} tensor-parallel ranks" if done.tp > 1 else ""
+    print(f"wrote {done.path}: {what}{split}, {done.total_bytes / 2**30:.2f} GiB in {done.shards} shard(s)")
     return 0
 
 

@@ -97,8 +97,9 @@ class CausalLM(nn.Module):
             if module is not self and callable(getattr(module, "process_weights_after_loading", None)):
                 module.process_weights_after_loading()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint tensors (see chitu_core.loader.weights.load_into)."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], presharded: bool = False) -> None:
+        """Load checkpoint tensors (see chitu_core.loader.weights.load_into); ``presharded``: they are
+        this rank's parts already (a checkpoint written by ``python -m chitu_core.convert --tp``)."""
         from chitu_core.loader.weights import load_into
 
-        load_into(self, weights)
+        load_into(self, weights, presharded)

@@ -9,7 +9,7 @@ only add optional methods with defaults).
 from chitu_core.errors import PluginError
 
 __version__ = "0.1.0"
-CONTRACT_VERSION = "1.2"
+CONTRACT_VERSION = "1.3"
 
 
 def contract_major(version: str) -> int:

@@ -7,8 +7,10 @@ exactly: the output's tensor names, dtypes and shapes as the format's published 
 (written out here, not taken from the code under test), untouched tensors bit for bit, each quantized
 tensor equal to the method's own ``quantize`` of the original, config.json's quantization_config, the
 copied files; then the engine loads the output into the same parameters as quantizing the original in
-situ, and so generates the same greedy tokens. Shards and their index, the refusals, an interrupted
-run, and MoE models (Qwen2-MoE, DeepSeek-V3 with latent attention) whose routed experts stay in float32.
+situ, and so gives the same logits and greedy tokens. Shards and their index, the refusals, an
+interrupted run, and MoE models: Qwen2-MoE, whose routed experts fp8 quantizes per expert and projection
+(an intermediate size of 128, one FP8 block of gate's rows and one of up's, as in situ; 32 is refused)
+and the other methods keep in float32, and DeepSeek-V3 with latent attention.
 """
 
 import importlib
@@ -183,11 +185,14 @@ def expected_layout(src: dict[str, torch.Tensor], quantized: set[str], method: s
 
 def assert_runs_as_in_situ(out: Path, src: Path, quantization: str) -> None:
     """The converted checkpoint loads into exactly the parameters in-situ quantization makes, and so
-    generates the same tokens."""
+    gives the same logits and tokens."""
+    from test_models import batched_last_logits
+
     converted, in_situ = load(out), load(src, quantization)
     got, want = state(converted), state(in_situ)
     assert got.keys() == want.keys()
     assert [n for n in got if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])] == []
+    assert torch.equal(batched_last_logits(converted, PROMPTS), batched_last_logits(in_situ, PROMPTS))
     assert greedy(converted) == greedy(in_situ)
 
 
@@ -389,18 +394,14 @@ def test_the_int8_config_is_compressed_tensors_w8a8():
     assert not ignored("model.layers.0.mlp.shared_expert.gate_proj") and not ignored("model.layers.10.mlp.experts.0.up_proj")
 
 
-# --- MoE: the routed experts stay as they are -------------------------------------------------------
+# --- MoE: routed experts quantized where the method holds them, kept as they are otherwise ------------
 
 
-@pytest.fixture(scope="module")
-def qwen2_moe(tmp_path_factory) -> Path:
+def save_random(config, path: Path) -> Path:
+    """A transformers model of ``config`` with random float32 weights (wide, so logits are far from ties)
+    saved to ``path``."""
     import transformers as tf
 
-    path = tmp_path_factory.mktemp("qwen2_moe")
-    config = tf.Qwen2MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, max_position_embeddings=512, intermediate_size=256,
-                               moe_intermediate_size=32, shared_expert_intermediate_size=128, num_experts=4,
-                               num_experts_per_tok=2, mlp_only_layers=[1])  # layer 1 dense
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -410,26 +411,50 @@ def qwen2_moe(tmp_path_factory) -> Path:
     return path
 
 
+def build_qwen2_moe(path: Path, moe_intermediate_size: int) -> Path:
+    """A random Qwen2-MoE (layer 0 MoE with 4 experts and a shared expert, layer 1 dense)."""
+    import transformers as tf
+
+    return save_random(tf.Qwen2MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=512, intermediate_size=256,
+                                         moe_intermediate_size=moe_intermediate_size,
+                                         shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                                         mlp_only_layers=[1]), path)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory) -> Path:
+    return build_qwen2_moe(tmp_path_factory.mktemp("qwen2_moe"), 128)  # gate and up: one FP8 block of rows each
+
+
 MOE_QUANTIZED = re.compile(r"\.self_attn\.[qkvo]_proj\.weight$|\.mlp\.shared_expert\.\w+_proj\.weight$|"
                            r"layers\.1\.mlp\.\w+_proj\.weight$")
+ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 def test_moe_experts_routers_and_dense_parts(case, qwen2_moe, tmp_path):
     quantization, method_name = case
+    holds_experts = registry.get_quant_method(method_name).holds_experts  # fp8: yes; RowInt8, int8, awq: no
     out = tmp_path / "out"
     done = convert(qwen2_moe, out, quantization, progress=False)
     src, got = tensors(qwen2_moe), tensors(out)
-    quantized = {n for n in src if MOE_QUANTIZED.search(n)}
-    assert done.quantized == len(quantized) == 4 + 4 + 3 + 3  # attention of both layers, shared expert, dense MLP
+    quantized = {n for n in src if MOE_QUANTIZED.search(n) or holds_experts and ROUTED_EXPERT.search(n)}
+    # attention of both layers, shared expert, dense MLP; with fp8, 4 experts' gate, up and down
+    assert done.quantized == len(quantized) == 4 + 4 + 3 + 3 + (4 * 3 if holds_experts else 0)
     assert layout(got) == expected_layout(src, quantized, method_name)
-    # experts, routers (mlp.gate, shared_expert_gate), norms, embeddings: as they were, in float32
+    method = registry.get_quant_method(method_name)(IN_SITU[quantization][1])
+    for name in filter(ROUTED_EXPERT.search, quantized):  # each expert's projection on its own
+        stem = name.removesuffix("weight")
+        assert all(torch.equal(got[stem + key].view(torch.uint8), value.view(torch.uint8))
+                   for key, value in method.quantize(src[name]).items()), name
+    # routers (mlp.gate, shared_expert_gate), norms, embeddings and (but with fp8) experts: as they were
     assert [n for n, t in src.items() if n not in quantized and not torch.equal(got[n], t)] == []
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     ignore = qc.get("ignore", qc.get("modules_to_not_convert"))
     experts = "re:model\\.layers\\.0\\.mlp\\.experts\\." if method_name == "int8" else "model.layers.0.mlp.experts"
     assert sorted(ignore) == sorted(
-        ["lm_head", "model.embed_tokens", "model.norm", experts, "model.layers.0.mlp.gate",
-         "model.layers.0.mlp.shared_expert_gate"]
+        ["lm_head", "model.embed_tokens", "model.norm", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"]
+        + ([] if holds_experts else [experts])
         + [f"model.layers.{i}.{norm}" for i in (0, 1) for norm in ("input_layernorm", "post_attention_layernorm")])
 
 
@@ -437,6 +462,18 @@ def test_a_converted_moe_model_runs_as_in_situ(case, qwen2_moe, tmp_path):
     quantization, _ = case
     convert(qwen2_moe, tmp_path / "out", quantization, progress=False)
     assert_runs_as_in_situ(tmp_path / "out", qwen2_moe, quantization)
+
+
+@pytest.mark.skipif("fp8" not in registry.all_quant_methods(), reason="the fp8 method is not installed")
+def test_fp8_experts_whose_gate_and_up_share_a_block_are_refused(tmp_path, monkeypatch):
+    _run_on_cpu(monkeypatch, "fp8")
+    build_qwen2_moe(tmp_path / "small", 32)  # in situ, gate's 32 rows and up's share one 128-row block
+    with pytest.raises(ChituError, match=r"^model\.layers\.0\.mlp\.experts: its routed experts cannot be stored as "
+                                         r"fp8: fp8 MoE experts: 32 intermediate rows per rank .* not a multiple of "
+                                         r"the checkpoint's 128x128 scale blocks.*in situ \(--quantization fp8\)$"):
+        convert(tmp_path / "small", tmp_path / "out", "fp8")
+    assert [p.name for p in tmp_path.iterdir()] == ["small"]
+    load(tmp_path / "small", "fp8")  # in situ, each expert's [2I, H] matrix is quantized whole: it runs
 
 
 DEEPSEEK_QUANTIZED = re.compile(r"\.self_attn\.(q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?\.weight$|"

@@ -25,12 +25,27 @@ def offline_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         f, p = r["floor"], r.get("peer") or {}
         model = Path(r["model"]).name
         peer = f"{_fmt(p.get('decode_tok_per_s'))} ({p['mode']})" if p else "-"
+        quant = (r.get("quantization") or "").split(" {")[0]  # "awq (in situ) {'group_size': 128}" -> "awq (in situ)"
+        held = r["dtype"] + (f", {quant}" if quant and quant != "unquantized" else "")
         lines.append(
-            f"| {name} | {model} ({r['model_config']['num_parameters'] / 1e6:.0f}M, {r['dtype']}) | {r['batch_size']} "
+            f"| {name} | {model} ({r['model_config']['num_parameters'] / 1e6:.0f}M, {held}) | {r['batch_size']} "
             f"| {r['input_len']}/{r['output_len']} | {_fmt(r['decode_tok_per_s'])} ({', '.join(_fmt(x) for x in r['runs_decode_tok_per_s'])}) "
             f"| {_fmt(r['decode_step_median_ms'], '.2f')} | {_fmt(f['decode_tok_per_s'])} ({f['weight_bytes'] / 1e9:.2f} GB + "
             f"{f['kv_bytes_mean'] / 1e9:.3f} GB at {f['copy_gbps']:.0f} GB/s) | {_fmt(100 * r.get('floor_fraction', 0), '.1f')}% "
             f"| {peer} | {_fmt(r.get('speedup_over_peer'), '.2f')}{'x' if r.get('speedup_over_peer') else ''} |")
+    return lines
+
+
+def quant_check_lines(name: str, check: dict[str, Any]) -> list[str]:
+    """A quantized model against its 16-bit self (``quant_moe_check.py``'s JSON): NMSE and decode speeds."""
+    lines = [f"`{name}.json` on {check['device']}: last-token logits NMSE of the quantized model against the "
+             f"16-bit one {check['nmse']:.2e} (bound {check['bound']:.2e}: {'ok' if check['ok'] else 'FAILED'}); "
+             f"weights {', '.join(f'{k} {v:.1f} GB' for k, v in check['weight_gb'].items())}.", "",
+             "| variant | batch | decode tok/s | step ms | byte floor tok/s | of floor |", "|---|---|---|---|---|---|"]
+    for key, r in check["speed"].items():
+        variant, batch = key.split(" B=")
+        lines.append(f"| {variant} | {batch} | {_fmt(r['decode_tok_per_s'])} | {_fmt(r['step_ms'], '.2f')} | "
+                     f"{_fmt(r['floor_tok_per_s'])} | {_fmt(100 * r['floor_fraction'], '.1f')}% |")
     return lines
 
 
@@ -102,6 +117,9 @@ def render(directory: Path) -> str:
                   *model_table(check), ""]
     if check and profile_lines(check):
         lines += ["## Decode profile (torch.profiler, graphs replayed)", "", *profile_lines(check), ""]
+    for name, r in loaded.items():
+        if "speed" in r and "nmse" in r:
+            lines += ["## Quantized against 16-bit (in situ, same random weights)", "", *quant_check_lines(name, r), ""]
     conformance = directory / "conformance.md"
     if conformance.is_file():
         body = conformance.read_text().strip().splitlines()

@@ -14,6 +14,13 @@ expert below one and in the dozens, one token and a few hundred), with experts n
 every token routed to one expert, slots routed to no expert held here (negative ids, as expert
 parallelism gives them: a whole token's among them) and non-contiguous operands. Mixtral's full
 size (H 4096, I 14336) runs in perf mode only.
+
+fused_experts_fp8 (contract 1.3): the same kinds of routing and layouts with FP8 weights, at the full
+expert shapes of DeepSeek-V2-Lite (H 2048, I 1408, E 64, top-6) and Qwen3-30B-A3B (H 2048, I 768, E
+128, top-8) for a few tokens and one (in bfloat16 only), and at small odd shapes whose last scale blocks are partial; 128x128
+blocks (DeepSeek-V3's), smaller blocks, and per-channel scales. Weights are random e4m3 bytes with
+exponents in a band of eight binades (values 2**-3 to 30, drawn cheaply even at full size), scales
+sized for outputs of O(1).
 """
 
 from collections.abc import Iterator
@@ -209,4 +216,66 @@ def fused_experts_full_size(dtype: torch.dtype) -> Iterator:
 def _flops(host: list) -> int:
     """Two GEMMs of 2 * I * H and H * I multiply-adds per slot routed to an expert."""
     x, w13, w2, weights, ids = host[:5]
+    return int((ids >= 0).sum()) * 2 * 3 * w2.shape[1] * w2.shape[2]
+
+
+FP8_EXPERTS_CASES = (  # (case, block_size)
+    (ExpertsCase("DeepSeek-V2-Lite", 64, 6, 2048, 1408, 3, "local", ("contiguous", "contiguous", "strided")),
+     (128, 128)),
+    (ExpertsCase("Qwen3-MoE", 128, 8, 2048, 768, 1, "random", ("padded", "contiguous", "contiguous")), None),
+    (ExpertsCase("Mixtral", 8, 2, 80, 48, 7, "local", ("padded", "transposed", "strided")), (32, 32)),
+    (ExpertsCase("Mixtral", 8, 2, 80, 48, 1), None),
+    (ExpertsCase("Qwen2-MoE", 60, 4, 48, 40, 300, "one"), (128, 128)),
+    (ExpertsCase("DeepSeek-V3", 256, 8, 56, 24, 64, "idle", ("strided", "contiguous", "transposed")), None),
+    (ExpertsCase("DeepSeek-V3", 256, 8, 256, 64, 7), (128, 128)),
+    (ExpertsCase("gelu", 8, 2, 48, 40, 7, activation="gelu"), (16, 32)),
+)
+E4M3_RMS = 9.2
+"""Root mean square of ``random_e4m3``'s values."""
+
+
+def random_e4m3(gen: torch.Generator, *shape: int) -> Tensor:
+    """float8_e4m3fn [*shape]: random sign and mantissa, exponent field uniform in 4..11 (2**-3 <= |v| < 32,
+    never NaN), made from random bits four bytes at a time, without a float intermediate (the top bit of
+    each int32 draw is 0, so bit 6 of each byte gives its sign)."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    b = torch.randint(0, 1 << 31, (-(-numel // 4),), generator=gen, dtype=torch.int32)
+    b = ((b & 0x40404040) << 1) | (b & 0x07070707) | ((((b >> 3) & 0x07070707) + 0x04040404) << 3)
+    return b.view(torch.uint8)[:numel].view(shape).view(torch.float8_e4m3fn)
+
+
+def fp8_expert_scales(gen: torch.Generator, experts: int, n: int, k: int, block: tuple[int, int] | None) -> Tensor:
+    shape = (experts, n) if block is None else (experts, -(-n // block[0]), -(-k // block[1]))
+    return (torch.rand(shape, generator=gen) * 0.5 + 0.5) / (E4M3_RMS * k**0.5)
+
+
+def fused_experts_fp8(dtype: torch.dtype) -> Iterator:
+    from chitu_core.conformance.op_cases import In, Spec  # op_cases imports this module for its table
+
+    for case, block in FP8_EXPERTS_CASES:
+        if case.hidden >= 1024 and dtype != torch.bfloat16:
+            continue  # full size in the dtype models run in only: each such case draws 0.5 GB of weights
+        def make(gen, case=case, block=block):
+            lx, lw, lr = case.layouts
+            e, h, i = case.experts, case.hidden, case.inter
+            x = randn(gen, case.tokens, h, dtype=dtype)
+            w13, w2 = random_e4m3(gen, e, 2 * i, h), random_e4m3(gen, e, h, i)
+            s13, s2 = fp8_expert_scales(gen, e, 2 * i, h, block), fp8_expert_scales(gen, e, h, i, block)
+            weights, ids = expert_routing(gen, case)
+            return [In(x, lx), In(w13, lw), In(s13, lr), In(w2, lw), In(s2, lr), block, In(weights, lr),
+                    In(ids, lr)], {"activation": case.activation}
+
+        params = {"tokens": case.tokens, "experts": case.experts, "top_k": case.top_k, "hidden": case.hidden,
+                  "inter": case.inter, "activation": case.activation, "block_size": block}
+        scales = "per-channel" if block is None else f"block {block[0]}x{block[1]}"
+        label = (f"{case.model} E={case.experts} k={case.top_k} H={case.hidden} I={case.inter} T={case.tokens}"
+                 f" {scales} {case.routing} {case.activation}; x {case.layouts[0]}, weights {case.layouts[1]},"
+                 f" scales and routing {case.layouts[2]}")
+        yield Spec(label, params, make, flops=_flops_fp8)
+
+
+def _flops_fp8(host: list) -> int:
+    w2, ids = host[3], host[7]
     return int((ids >= 0).sum()) * 2 * 3 * w2.shape[1] * w2.shape[2]

@@ -4,7 +4,7 @@ Operands are fresh random values in the case's dtype, never zeros: sizes of 1, o
 both sides of common kernel dispatch points (16, 1024, 4096 and their neighbours), and every
 tensor handed over in a guarded buffer (``guards``), contiguous or not. The sampling filters'
 cases keep every top-p and min-p boundary far from rounding, so that their masks are exact. The
-mixture-of-experts ops' cases live in ``moe_cases``, the quantized linears' in ``quant_op_cases``.
+mixture-of-experts ops' cases (FP8 experts too) live in ``moe_cases``, the quantized linears' in ``quant_op_cases``.
 """
 
 import inspect
@@ -17,7 +17,13 @@ import torch
 from chitu_core.conformance.case import Case, Outcome, Target, nbytes, randn, raised, time_call
 from chitu_core.conformance.compare import Verdict, check_tensor, compare, compare_argmax, worst
 from chitu_core.conformance.guards import guard, poison_allocator
-from chitu_core.conformance.moe_cases import by_expert_id, fused_experts, fused_experts_full_size, moe_route
+from chitu_core.conformance.moe_cases import (  # noqa: F401
+    by_expert_id,
+    fused_experts,
+    fused_experts_fp8,
+    fused_experts_full_size,
+    moe_route,
+)
 from chitu_core.conformance.quant_op_cases import fp8_linear, gguf_linear, int4_linear, int8_linear  # noqa: F401
 from chitu_core.conformance.thresholds import OP_FAMILY
 from chitu_core.ops import reference
@@ -56,7 +62,9 @@ class Spec:
 
 
 def _upcast(a):
-    return a.to(torch.float64) if isinstance(a, Tensor) and a.is_floating_point() else a
+    """Operands for the float64 reference: floating tensors in float64, but FP8 weights as they are (the
+    reference dequantizes them exactly; a float64 copy of full-size experts would take gigabytes)."""
+    return a.to(torch.float64) if isinstance(a, Tensor) and a.is_floating_point() and a.element_size() > 1 else a
 
 
 def run_op_case(op: str, spec: Spec, case: Case, target: Target) -> Outcome:

@@ -98,9 +98,10 @@ FAMILIES: dict[str, Family] = {
                     "compared in id order; softmax or sigmoid, a sum and a division in float32; cases keep every "
                     "top-k and group boundary far from rounding",
                     _per_dtype("close", *[dict(rtol=1e-5, atol=1e-7)] * 3)),
-    "experts": Family("nmse", ("fused_experts",), "two GEMMs with float32 accumulation; the activation rounded to "
-                      "the dtype between them (unfused, the GEMM outputs too), the weighted sum of a token's slots "
-                      "in float32, output rounded: up to five roundings where a linear has one",
+    "experts": Family("nmse", ("fused_experts", "fused_experts_fp8"), "two GEMMs with float32 accumulation; the "
+                      "activation rounded to the dtype between them (unfused, the GEMM outputs too), the weighted sum "
+                      "of a token's slots in float32, output rounded: up to five roundings where a linear has one; "
+                      "FP8 weights are dequantized exactly, so they round no more",
                       _per_dtype("nmse", dict(limit=1e-9, rtol=1e-4), dict(limit=1e-4, rtol=3e-2),
                                  dict(limit=1e-5, rtol=4e-3))),
     "quant_matmul": Family("nmse", ("int4_linear", "int8_linear", "fp8_linear", "gguf_linear", "quant/* (quantized)"),

@@ -107,6 +107,8 @@ class LLMEngine:
         model_cls = load_model_class(model_dir.architecture)
         self.dtype = _resolve_dtype(config.dtype, model_dir.config_dtype(), self.backend.supported_dtypes(), self.backend.name)
         self.comm = Communicator.from_env(self.backend.process_group_backend())
+        if config.load_format == "auto":  # a directory pre-sharded by convert --tp: this rank's files
+            model_dir = model_dir.for_rank(self.comm.rank, self.comm.world_size)
 
         geometry = model_cls.kv_geometry(hf_config, self.comm.world_size)
         self.attention = build_attention(self.backend, geometry, config.block_size, self.dtype, self.device,
@@ -122,7 +124,11 @@ class LLMEngine:
         if config.load_format == "dummy":
             fill_dummy_weights(self.model, config.seed)
         else:
-            self.model.load_weights(model_dir.iter_weights(progress=config.load_progress))
+            weights = model_dir.iter_weights(progress=config.load_progress)
+            if model_dir.presharded:  # asked only then, so a model plugin's own load_weights(weights) keeps working
+                self.model.load_weights(weights, presharded=True)
+            else:
+                self.model.load_weights(weights)
         self.model.eval()
         if self.backend.transposed_linear_weights():
             store_linear_weights_transposed(self.model)

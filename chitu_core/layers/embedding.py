@@ -16,13 +16,21 @@ class VocabEmbedding(nn.Module):
         self.shard = -(-vocab_size // ctx.tp_size)
         self.start = ctx.tp_rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, hidden_size, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
-        set_loader(self.weight, self.load_weight)
+        set_loader(self.weight, self.load_weight, local_part=self.local_part, load_local=self.load_rows)
+
+    def local_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> torch.Tensor:
+        """This rank's rows of the whole table (fewer than ``shard`` on the last rank when they do not divide)."""
+        check_shape(loaded.shape, (self.vocab_size, param.shape[1]), "vocabulary embedding")
+        return loaded[self.start : self.start + self.shard]
+
+    def load_rows(self, param: nn.Parameter, part: torch.Tensor, shard_id=None) -> None:
+        rows = max(0, min(self.shard, self.vocab_size - self.start))
+        check_shape(part.shape, (rows, param.shape[1]), "this rank's rows of the vocabulary embedding")
+        param.data.zero_()
+        param.data[:rows].copy_(part)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        check_shape(loaded.shape, (self.vocab_size, param.shape[1]), "vocabulary embedding")
-        part = loaded[self.start : self.start + self.shard]
-        param.data.zero_()
-        param.data[: part.shape[0]].copy_(part)
+        self.load_rows(param, self.local_part(param, loaded))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:

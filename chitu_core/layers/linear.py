@@ -4,7 +4,10 @@ Column-split layers hold rows [rank*n, (rank+1)*n) of the output features;
 row-split layers hold a slice of the input features and sum partial outputs
 with an all-reduce. Weights are created by the layer's quantization method, and
 every parameter is sliced by the dimensions it declares (``quantization.params``),
-so the same loaders serve dense and quantized checkpoints.
+so the same loaders serve dense and quantized checkpoints. Each split parameter's
+loader is the rank's part of a checkpoint tensor (``local_part``) copied into place
+(``load_local``; see ``layers.weights.set_loader``), so that a checkpoint pre-sharded
+by ``python -m chitu_core.convert --tp`` loads without slicing.
 """
 
 from fractions import Fraction
@@ -32,6 +35,18 @@ def _full_shape(param: nn.Parameter, along: str, features: int) -> tuple[int, ..
     if dim is not None:
         shape[dim] = ceil(Fraction(features) / Fraction(getattr(param, f"{along}_pack", 1)))
     return tuple(shape)
+
+
+def _rank_part(param: nn.Parameter, loaded: torch.Tensor, along: str, full: int, start: int, size: int,
+               what: str) -> torch.Tensor:
+    """Features [start, start + size) along ``along`` of a checkpoint tensor holding ``full`` of them,
+    in the parameter's own elements; a 0-d (per-tensor) value as it is."""
+    loaded = per_tensor_value(param, loaded)
+    if not loaded.dim():
+        return loaded
+    check_shape(loaded.shape, _full_shape(param, along, full), what)
+    span = stored_span(param, start, size, along, what)
+    return loaded if span is None else loaded.narrow(getattr(param, f"{along}_dim"), *span)
 
 
 class LinearBase(nn.Module):
@@ -78,14 +93,14 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, self.local_out, bias, ctx)
 
     def attach_loader(self, param):
-        set_loader(param, self.load_shard)
+        set_loader(param, self.load_shard, local_part=self.local_part, load_local=self.load_whole)
+
+    def local_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> torch.Tensor:
+        return _rank_part(param, loaded, "out", self.local_out * self.tp_size, self.tp_rank * self.local_out,
+                          self.local_out, "column-split linear")
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        loaded = per_tensor_value(param, loaded)
-        if loaded.dim():
-            check_shape(loaded.shape, _full_shape(param, "out", self.local_out * self.tp_size), "column-split linear")
-        span = stored_span(param, self.tp_rank * self.local_out, self.local_out, "out", "column-split linear")
-        copy_span(param, loaded, getattr(param, "out_dim", None), None, span, "column-split linear")
+        self.load_whole(param, self.local_part(param, loaded))
 
 
 class _FusedColumns(LinearBase):
@@ -94,17 +109,22 @@ class _FusedColumns(LinearBase):
     parts: dict
 
     def attach_loader(self, param):
-        set_loader(param, self.load_shard, tuple(self.parts))
+        set_loader(param, self.load_shard, tuple(self.parts), local_part=self.local_part, load_local=self.load_part)
+
+    def local_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> torch.Tensor:
+        _, size, full, rank = self.parts[shard_id]
+        return _rank_part(param, loaded, "out", full, rank * size, size, self.part_name(shard_id))
+
+    def load_part(self, param: nn.Parameter, part: torch.Tensor, shard_id) -> None:
+        """Copy this rank's part ``shard_id`` into its rows of the fused parameter."""
+        part = per_tensor_value(param, part)
+        offset, size, _, _ = self.parts[shard_id]
+        what = self.part_name(shard_id)
+        dst = stored_span(param, offset, size, "out", what)
+        copy_span(param, part, getattr(param, "out_dim", None), dst, None, what)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
-        loaded = per_tensor_value(param, loaded)
-        offset, size, full, rank = self.parts[shard_id]
-        what = self.part_name(shard_id)
-        if loaded.dim():
-            check_shape(loaded.shape, _full_shape(param, "out", full), what)
-        dst = stored_span(param, offset, size, "out", what)
-        src = stored_span(param, rank * size, size, "out", what)
-        copy_span(param, loaded, getattr(param, "out_dim", None), dst, src, what)
+        self.load_part(param, self.local_part(param, loaded, shard_id), shard_id)
 
     def part_name(self, shard_id) -> str:
         return f"fused linear part {shard_id}"
@@ -149,14 +169,17 @@ class RowParallelLinear(LinearBase):
         super().__init__(self.local_in, out_features, bias, ctx)
 
     def attach_loader(self, param):
-        set_loader(param, self.load_bias if param is self.bias else self.load_weight)
+        if param is self.bias:
+            set_loader(param, self.load_bias)
+        else:
+            set_loader(param, self.load_weight, local_part=self.local_part, load_local=self.load_whole)
+
+    def local_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> torch.Tensor:
+        return _rank_part(param, loaded, "in", self.local_in * self.tp_size, self.tp_rank * self.local_in,
+                          self.local_in, "row-split linear")
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        loaded = per_tensor_value(param, loaded)
-        if loaded.dim():
-            check_shape(loaded.shape, _full_shape(param, "in", self.local_in * self.tp_size), "row-split linear")
-        span = stored_span(param, self.tp_rank * self.local_in, self.local_in, "in", "row-split linear")
-        copy_span(param, loaded, getattr(param, "in_dim", None), None, span, "row-split linear")
+        self.load_whole(param, self.local_part(param, loaded))
 
     def load_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         check_shape(loaded.shape, tuple(param.shape), "row-split linear bias")

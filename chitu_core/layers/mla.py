@@ -60,11 +60,19 @@ class MultiHeadLatentAttention(nn.Module):
         self.register_buffer("w_uv", None, persistent=False)  # [H, L, v]
 
     def process_weights_after_loading(self) -> None:
-        """Split kv_b_proj's weight into per-head W_UK [H, nope, L] and W_UV [H, L, v], contiguous."""
-        if not isinstance(self.kv_b_proj.quant, UnquantizedMethod):
-            raise ModelLoadError(f"multi-head latent attention needs kv_b_proj unquantized to absorb it; "
-                                 f"{self.kv_b_proj.quant.name!r} kv_b_proj is not supported yet")
-        w = self.kv_b_proj.weight.detach().reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        """Split kv_b_proj's weight into per-head W_UK [H, nope, L] and W_UV [H, L, v], contiguous. A quantized
+        kv_b_proj (an FP8 checkpoint, in-situ --quantization) is dequantized exactly by its method first and
+        the absorbed matrices kept in the model dtype (kv_b_proj itself is never multiplied by)."""
+        quant = self.kv_b_proj.quant
+        if isinstance(quant, UnquantizedMethod):
+            w = self.kv_b_proj.weight.detach()
+        else:
+            try:
+                w = quant.dequantize(self.kv_b_proj).to(self.kv_b_proj.dtype)
+            except NotImplementedError:
+                raise ModelLoadError(f"multi-head latent attention needs kv_b_proj's weight to absorb it; the "
+                                     f"{quant.name!r} method cannot dequantize it") from None
+        w = w.reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         self.w_uk = w[:, : self.nope].contiguous()
         self.w_uv = w[:, self.nope :].transpose(1, 2).contiguous()
 

@@ -2,15 +2,18 @@
 
 ``FusedMoE`` holds every routed expert of a layer in one tensor per projection and runs them with
 two ops: ``moe_route`` (router logits -> top-k weights and expert ids) and ``fused_experts`` (the
-weighted sum of the chosen experts' MLPs). Shared experts are not part of it: a model composes them
-from the dense layers (a gated MLP beside the routed experts).
+weighted sum of the chosen experts' MLPs), or the op of the quantization method that holds the
+experts (contract 1.3: ``QuantMethod.holds_experts``, e.g. ``fused_experts_fp8``). Shared experts are
+not part of it: a model composes them from the dense layers (a gated MLP beside the routed experts).
 
 Checkpoints store one tensor per expert and projection (``...experts.{e}.gate_proj.weight``;
-Mixtral's ``w1``/``w3``/``w2``). ``map_expert_weight`` turns such a name into the stacked
-parameter and an ``ExpertShard``; a model's ``CausalLM.map_weight_name`` calls it first.
+Mixtral's ``w1``/``w3``/``w2``), quantized ones with more tensors beside it
+(``...experts.{e}.gate_proj.weight_scale_inv``). ``map_expert_weight`` turns such a name into the
+stacked parameter and an ``ExpertShard``; a model's ``CausalLM.map_weight_name`` calls it first.
 """
 
 import re
+from math import ceil
 from typing import NamedTuple
 
 import torch
@@ -19,13 +22,18 @@ from torch import nn
 from chitu_core.errors import ModelLoadError
 from chitu_core.layers.context import BuildContext
 from chitu_core.layers.linear import _divide
-from chitu_core.layers.weights import ShapeMismatch, check_shape, default_loader, narrow_rank, set_loader
+from chitu_core.layers.weights import ShapeMismatch, check_shape, default_loader, set_loader
+from chitu_core.ops.table import Ops
+from chitu_core.quantization import QuantMethod
+from chitu_core.quantization.base import UnquantizedMethod
+from chitu_core.quantization.params import copy_span, per_tensor_value, stored_span
 
 # Checkpoint projection name -> the part of an expert it is.
 GATE_UP_DOWN = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # Qwen-MoE, DeepSeek
 MIXTRAL_PARTS = {"w1": "gate", "w3": "up", "w2": "down"}
 
-_EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_ROUTED_EXPERTS = re.compile(r"(^|[^_])experts\b")  # an ignore pattern naming routed experts, not shared_experts
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<tensor>\w+)$")
 
 
 class ExpertShard(NamedTuple):
@@ -37,14 +45,47 @@ class ExpertShard(NamedTuple):
 
 def map_expert_weight(name: str, parts: dict[str, str] = GATE_UP_DOWN) -> tuple[str, ExpertShard] | None:
     """``"m.layers.1.mlp.experts.7.up_proj.weight"`` -> ``("m.layers.1.mlp.experts.w13",
-    ExpertShard(7, "up"))``; None for a name that is not a routed expert's projection. ``parts``
-    maps the checkpoint's projection names onto gate/up/down."""
-    match = _EXPERT_WEIGHT.match(name)
+    ExpertShard(7, "up"))``; another tensor of the projection keeps its name as a suffix
+    (``...experts.7.down_proj.weight_scale_inv`` -> ``...experts.w2_weight_scale_inv``). None for a
+    name that is not a routed expert's projection. ``parts`` maps the checkpoint's projection names
+    onto gate/up/down."""
+    match = _EXPERT_TENSOR.match(name)
     if match is None or match["proj"] not in parts:
         return None
     part = parts[match["proj"]]
-    param = "w2" if part == "down" else "w13"
+    family = "w2" if part == "down" else "w13"
+    param = family if match["tensor"] == "weight" else f"{family}_{match['tensor']}"
     return f"{match['prefix']}.{param}", ExpertShard(int(match["expert"]), part)
+
+
+def expert_method(ctx: BuildContext) -> QuantMethod:
+    """The method that holds a MoE layer's experts: the model's where it can hold experts; else
+    unquantized where they are left dense (in situ, or where the checkpoint's ignore list names them).
+    A checkpoint that stores experts in a format whose method cannot hold them is refused, as is a
+    backend whose op table lacks a quantized method's expert op (only a table that is the reference's
+    throughout, as tools and tests build, runs it on the reference; unquantized experts fall back as
+    ``fused_experts`` always has)."""
+    spec = ctx.quant
+    dense = spec.method == "unquantized" or any(_ROUTED_EXPERTS.search(pattern) for pattern in spec.ignored)
+    method = UnquantizedMethod() if dense else ctx.new_quant_method()
+    if not method.holds_experts:
+        if not spec.in_situ:
+            raise ModelLoadError(f"quantized MoE experts ({spec.method!r}) are not supported yet; load an "
+                                 "unquantized checkpoint, with --quantization to quantize its other linear layers")
+        method = UnquantizedMethod()
+    if isinstance(method, UnquantizedMethod):  # fused_experts falls back to the reference since contract 1.1
+        return method
+    missing = [op for op in method.expert_kernels if ctx.ops.sources[op].kind == "fallback"]
+    backend = _backend_name(ctx.ops)
+    if missing and backend is not None:
+        raise ModelLoadError(f"backend {backend!r} does not run {method.name} MoE experts (its op table lacks "
+                             f"{', '.join(missing)}); use another device, or an unquantized checkpoint")
+    return method
+
+
+def _backend_name(ops: Ops) -> str | None:
+    """The backend an op table was resolved for, from its native ops; None for the reference's own table."""
+    return next((source.origin for source in ops.sources.values() if source.kind == "native"), None)
 
 
 class FusedMoE(nn.Module):
@@ -58,14 +99,20 @@ class FusedMoE(nn.Module):
     replicated on every rank; a checkpoint that stores it under the router (``...gate.e_score_correction_bias``)
     maps it here in the model's ``map_weight_name``.
 
-    Parameters, in the model dtype on the device (I_local = intermediate_size / tp_size):
+    Parameters, on the device (I_local = intermediate_size / tp_size), made by ``self.quant_method``
+    (``expert_method``): unquantized, in the model dtype,
       ``w13`` [E, 2*I_local, H]: each expert's gate rows, then its up rows;
-      ``w2``  [E, H, I_local]: each expert's down projection.
+      ``w2``  [E, H, I_local]: each expert's down projection;
+    a quantized method's stacked tensors otherwise (fp8: ``w13``/``w2`` float8_e4m3fn with ``w13_scale``
+    and ``w2_scale``), each marked with how one expert's slice splits (``quantization.params``).
     Tensor parallelism splits every expert's intermediate dimension: rank r holds gate and up rows
     [r*I_local, (r+1)*I_local) and the same columns of down; its partial outputs are summed over
     ranks. Every expert lives on every rank; the router is replicated (see ``Router``).
-    Loading: shard ids are ``ExpertShard(e, "gate" | "up")`` for w13 and ``ExpertShard(e, "down")`` for w2,
-    and each must be loaded once (``load_into`` checks it).
+    Loading: shard ids are ``ExpertShard(e, "gate" | "up")`` for the ``w13`` family of parameters and
+    ``ExpertShard(e, "down")`` for the ``w2`` family, and each must be loaded once (``load_into`` checks it).
+    Each loader has the two halves ``set_loader`` describes: ``local_part`` cuts this rank's share out
+    of a whole checkpoint tensor, ``load_local`` copies such a share into place, so that
+    ``python -m chitu_core.convert --tp`` pre-shards experts as it does linear layers.
 
     forward(x [T, H], router_logits [T, E]) -> [T, H] in x.dtype, summed over ranks.
     """
@@ -75,12 +122,6 @@ class FusedMoE(nn.Module):
                  group_score: str = "max", scaling: float = 1.0, correction_bias: bool = False,
                  activation: str = "silu"):
         super().__init__()
-        # Experts stay in the model dtype: in situ (--quantization quantizes the other linears), or where the
-        # checkpoint leaves them unquantized (its ignore list names them, as chitu_core.convert writes it).
-        experts_dense = ctx.quant.in_situ or any("experts" in pattern for pattern in ctx.quant.ignored)
-        if ctx.quant.method != "unquantized" and not experts_dense:
-            raise ModelLoadError(f"quantized MoE experts ({ctx.quant.method!r}) are not supported yet; load an "
-                                 "unquantized checkpoint, with --quantization to quantize its other linear layers")
         self.ops, self.comm = ctx.ops, ctx.comm
         self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
         self.num_experts, self.hidden_size = num_experts, hidden_size
@@ -88,38 +129,66 @@ class FusedMoE(nn.Module):
         self.route_args = dict(top_k=top_k, scoring=scoring, renormalize=renormalize, num_groups=num_groups,
                                topk_groups=topk_groups, group_score=group_score, scaling=scaling)
         self.activation = activation
-
-        def empty(*shape: int, dtype: torch.dtype = ctx.dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=ctx.device), requires_grad=False)
-
-        self.w13 = empty(num_experts, 2 * self.local_inter, hidden_size)
-        self.w2 = empty(num_experts, hidden_size, self.local_inter)
+        # Not ``quant``: the model's own pass over ``module.quant`` is for linear layers.
+        self.quant_method = expert_method(ctx)
+        self.quant_method.create_expert_weights(self, num_experts, hidden_size, self.local_inter, ctx.dtype,
+                                                ctx.device)
         experts = range(num_experts)
-        set_loader(self.w13, self.load_expert, tuple(ExpertShard(e, p) for e in experts for p in ("gate", "up")))
-        set_loader(self.w2, self.load_expert, tuple(ExpertShard(e, "down") for e in experts))
+        for name, param in self.named_parameters(recurse=False):
+            parts = ("down",) if name.startswith("w2") else ("gate", "up")
+            set_loader(param, self.load_expert, tuple(ExpertShard(e, p) for e in experts for p in parts),
+                       local_part=self.local_part, load_local=self.load_local)
         if correction_bias:
-            self.e_score_correction_bias = empty(num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32, device=ctx.device), requires_grad=False)
             set_loader(self.e_score_correction_bias, default_loader)
         else:
             self.register_parameter("e_score_correction_bias", None)
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard) -> None:
-        """Copy one expert's gate, up ([I, H]) or down ([H, I]) projection into its slice of w13 or w2."""
+        """Copy this rank's share of one expert's whole checkpoint tensor into its slice of a ``w13``-
+        or ``w2``-family parameter."""
+        self.load_local(param, self.local_part(param, loaded, shard_id), shard_id)
+
+    def local_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard) -> torch.Tensor:
+        """This rank's share of one expert's whole gate, up ([I, H] as a weight) or down ([H, I])
+        checkpoint tensor: checked against the whole shape, narrowed along the intermediate dimension
+        as the parameter's marks say; a 0-d (per-tensor) value as it is."""
+        what, along = self._expert_part(shard_id)
+        loaded = per_tensor_value(param, loaded)
+        if not loaded.dim():
+            return loaded
+        dim, n = getattr(param, f"{along}_dim", None), self.local_inter
+        shape = list(param.shape[1:])
+        if dim is not None:
+            shape[dim] = ceil(n * self.tp_size / getattr(param, f"{along}_pack", 1))
+        check_shape(loaded.shape, tuple(shape), what)
+        span = stored_span(param, self.tp_rank * n, n, along, what)
+        return loaded if span is None else loaded.narrow(dim, *span)
+
+    def load_local(self, param: nn.Parameter, local: torch.Tensor, shard_id: ExpertShard) -> None:
+        """Copy ``local_part``'s share into expert ``shard_id.expert``'s slice of ``param``: gate at
+        the first I_local rows of a ``w13``-family slice, up after them, down over the whole slice."""
+        what, along = self._expert_part(shard_id)
+        expert, part = shard_id
+        n = self.local_inter
+        dst = None if part == "down" else stored_span(param, 0 if part == "gate" else n, n, along, what)
+        copy_span(param.data[expert], per_tensor_value(param, local), getattr(param, f"{along}_dim", None), dst,
+                  None, what)
+
+    def _expert_part(self, shard_id: ExpertShard) -> tuple[str, str]:
+        """(how errors name the shard, the dimension of the expert's matrix its intermediate size runs along)."""
         expert, part = shard_id
         if not 0 <= expert < self.num_experts:
             raise ShapeMismatch(f"expert {expert} is out of range: config.json gives {self.num_experts} experts")
-        n = self.local_inter
-        if part == "down":
-            check_shape(loaded.shape, (self.hidden_size, n * self.tp_size), f"expert {expert} down projection")
-            param.data[expert].copy_(narrow_rank(loaded, 1, self.tp_rank, n))
-            return
-        check_shape(loaded.shape, (n * self.tp_size, self.hidden_size), f"expert {expert} {part} projection")
-        offset = 0 if part == "gate" else n
-        param.data[expert, offset : offset + n].copy_(narrow_rank(loaded, 0, self.tp_rank, n))
+        return f"expert {expert} {part} projection", "in" if part == "down" else "out"
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_expert_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.ops.moe_route(router_logits, correction_bias=self.e_score_correction_bias, **self.route_args)
-        out = self.ops.fused_experts(x, self.w13, self.w2, weights, ids, self.activation)
+        out = self.quant_method.apply_experts(self, x, weights, ids, self.activation, self.ops)
         return self.comm.all_reduce(out) if self.tp_size > 1 else out
 
 

@@ -12,10 +12,22 @@ class ShapeMismatch(ModelLoadError):
     """A checkpoint tensor's shape disagrees with the model built from config.json."""
 
 
-def set_loader(param: nn.Parameter, loader: Callable, shard_ids: tuple = (None,)) -> None:
-    """Attach ``loader(param, tensor, shard_id)``; ``shard_ids`` lists the shards that must all load."""
+def set_loader(param: nn.Parameter, loader: Callable, shard_ids: tuple = (None,), *,
+               local_part: Callable | None = None, load_local: Callable | None = None) -> None:
+    """Attach ``loader(param, tensor, shard_id)``, which loads a whole checkpoint tensor; ``shard_ids``
+    lists the shards that must all load.
+
+    A parameter split for tensor parallelism also declares the two halves of ``loader``:
+    ``local_part(param, tensor, shard_id)``, the part of a whole checkpoint tensor this rank holds
+    (checked against the whole shape, sliced as the tensor is stored), and ``load_local(param, part,
+    shard_id)``, which copies such a part into place (at its offset in a fused parameter).
+    ``python -m chitu_core.convert --tp`` writes ``local_part``'s results, and the loader gives them
+    to ``load_local``. A parameter without them is replicated: every rank loads the whole tensor."""
+    if (local_part is None) != (load_local is None):
+        raise TypeError("set_loader: give both local_part and load_local, or neither")
     param.weight_loader = loader  # type: ignore[attr-defined]
     param.shard_ids = shard_ids  # type: ignore[attr-defined]
+    param.local_part, param.load_local = local_part, load_local  # type: ignore[attr-defined]
 
 
 def check_shape(got: torch.Size, expected: tuple[int, ...], what: str) -> None:

@@ -3,12 +3,17 @@
 Errors name the file and say what to do: a missing config, an architecture no
 installed plugin supports (the installed ones are listed), a truncated or
 corrupt safetensors file, an index that names a file that is not there.
+
+A directory pre-sharded for N tensor-parallel ranks (``python -m chitu_core.convert --tp N``) has
+config.json, the tokenizer and the other small files at the top, ``"chitu_tensor_parallel":
+{"size": N}`` in config.json, and rank r's weights, already sliced, in ``rank-{r}/`` (safetensors
+and, where there are several, their index). ``HFModelDir.for_rank`` picks a rank's files.
 """
 
 import json
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,13 +23,45 @@ from tqdm.auto import tqdm
 from chitu_core.errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
+TENSOR_PARALLEL_FIELD = "chitu_tensor_parallel"  # config.json: {"size": N} in a directory pre-sharded by convert --tp
+
+
+def rank_dir(path: Path, rank: int) -> Path:
+    """Where rank ``rank``'s weights are in a pre-sharded directory."""
+    return path / f"rank-{rank}"
 
 
 @dataclass
 class HFModelDir:
     path: Path
     config: object  # transformers.PretrainedConfig
-    weight_files: list[Path]
+    weight_files: list[Path]  # for a pre-sharded directory: the files of ``rank`` (none before ``for_rank``)
+    sharded_for: int | None = None  # the tensor-parallel size it was pre-sharded for, or None
+    rank: int | None = None
+
+    @property
+    def presharded(self) -> bool:
+        return self.sharded_for is not None
+
+    def for_rank(self, rank: int, world_size: int) -> "HFModelDir":
+        """The directory as rank ``rank`` of ``world_size`` loads it: itself, or, when pre-sharded, with
+        that rank's weight files, which must have been sharded for ``world_size`` ranks."""
+        if not self.presharded:
+            return self
+        if world_size != self.sharded_for:
+            n = self.sharded_for
+            fix = f"with --tp {world_size}" if world_size > 1 else "without --tp"
+            raise ModelLoadError(
+                f"{self.path} is pre-sharded for {n} tensor-parallel ranks (python -m chitu_core.convert --tp {n}) but "
+                f"this run has {world_size}: run it on {n} ranks, or convert the original checkpoint again {fix}")
+        directory = rank_dir(self.path, rank)
+        if not directory.is_dir():
+            raise ModelLoadError(f"{self.path} is pre-sharded for {self.sharded_for} ranks but has no {directory.name}/; "
+                                 "convert the original checkpoint again")
+        files = _weight_files(directory)
+        for f in files:
+            read_header(f)
+        return replace(self, weight_files=files, rank=rank)
 
     @property
     def architecture(self) -> str:
@@ -49,6 +86,9 @@ class HFModelDir:
 
     def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of the checkpoint, file by file, with a tqdm progress bar."""
+        if self.presharded and self.rank is None:
+            raise ModelLoadError(f"{self.path} is pre-sharded for {self.sharded_for} tensor-parallel ranks: "
+                                 "choose the rank whose weights to read (HFModelDir.for_rank)")
         total = sum(len(read_header(f)) for f in self.weight_files)
         with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
             for file in self.weight_files:
@@ -101,7 +141,8 @@ def _weight_files(path: Path) -> list[Path]:
 def open_model_dir(path: str | Path, require_weights: bool = True) -> HFModelDir:
     """Read config.json and find the weight files; nothing heavy is loaded yet. With
     ``require_weights=False`` (load_format "dummy") config.json alone is enough: weight files are
-    neither looked for nor checked, and ``weight_files`` is empty."""
+    neither looked for nor checked, and ``weight_files`` is empty. So it is for a pre-sharded
+    directory, until ``for_rank`` picks a rank's files."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} is not a directory; pass an HF model directory (config.json + *.safetensors)")
@@ -113,9 +154,21 @@ def open_model_dir(path: str | Path, require_weights: bool = True) -> HFModelDir
         config = AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"transformers cannot read {path / 'config.json'}: {exc}") from None
-    if not require_weights:
-        return HFModelDir(path, config, [])
+    sharded_for = _sharded_for(path, config)
+    if not require_weights or sharded_for is not None:
+        return HFModelDir(path, config, [], sharded_for)
     files = _weight_files(path)
     for f in files:
         read_header(f)
     return HFModelDir(path, config, files)
+
+
+def _sharded_for(path: Path, config) -> int | None:
+    field = getattr(config, TENSOR_PARALLEL_FIELD, None)
+    if field is None:
+        return None
+    size = field.get("size") if isinstance(field, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ModelLoadError(f"{path / 'config.json'}: {TENSOR_PARALLEL_FIELD} is {field!r}, not "
+                             '{"size": N} with N a positive integer')
+    return size

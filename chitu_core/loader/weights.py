@@ -8,11 +8,13 @@ from chitu_core.errors import ModelLoadError
 from chitu_core.layers.weights import ShapeMismatch, default_loader
 
 
-def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_into(model, weights: Iterable[tuple[str, torch.Tensor]], presharded: bool = False) -> None:
     """Load every (checkpoint name, tensor) into ``model``; then check nothing is missing.
 
     Each parameter's ``weight_loader(param, tensor, shard_id)`` does the copy (slicing for
     tensor parallelism); fused parameters must receive every shard in ``param.shard_ids``.
+    ``presharded``: the tensors are this rank's parts already (``python -m chitu_core.convert --tp``),
+    so a split parameter's ``load_local`` copies each as it is, into place (``set_loader``).
     Errors name the checkpoint tensor and what was expected.
     """
     params = dict(model.named_parameters())
@@ -27,7 +29,8 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if param is None:
             unexpected.append(ckpt_name)
             continue
-        loader = getattr(param, "weight_loader", default_loader)
+        local = getattr(param, "load_local", None) if presharded else None
+        loader = local or getattr(param, "weight_loader", default_loader)
         try:
             loader(param, tensor, shard_id)
         except ShapeMismatch as exc:

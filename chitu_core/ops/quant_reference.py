@@ -1,4 +1,4 @@
-"""Reference quantized linears (contract 1.2): dequantize exactly, then multiply. See ``spec``."""
+"""Reference quantized linears (contract 1.2) and FP8 experts (1.3): dequantize exactly, then multiply. See ``spec``."""
 
 import torch
 
@@ -76,6 +76,8 @@ def dequantize_fp8(weight: Tensor, scales: Tensor, block_size: tuple[int, int] |
         return w * scales.to(dtype)[:, None]
     bn, bk = block_size
     n, k = w.shape
+    if n % bn == 0 and k % bk == 0:  # whole blocks: one broadcast product, no [N, K] copy of the scales
+        return (w.view(n // bn, bn, k // bk, bk) * scales.to(dtype)[:, None, :, None]).view(n, k)
     s = scales.to(dtype).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return w * s
 
@@ -90,6 +92,26 @@ def fp8_linear(x: Tensor, weight: Tensor, scales: Tensor, block_size: tuple[int,
     out = quantize_groups_fp8(x, group).to(acc) @ w.T
     if bias is not None:
         out = out + bias.to(acc)
+    return out.to(x.dtype)
+
+
+def fused_experts_fp8(x: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+                      block_size: tuple[int, int] | None, topk_weights: Tensor, topk_ids: Tensor,
+                      activation: str = "silu") -> Tensor:
+    """Each expert some slot chose is dequantized (in float32, float64 for float64 x) and run as in the
+    unquantized reference; the gate/up product and its activation stay in that dtype until the rounding
+    to x.dtype the contract fixes."""
+    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}.get(activation)
+    if act is None:
+        raise ValueError(f"fused_experts_fp8: activation {activation!r} is not 'silu' or 'gelu'")
+    acc = _acc(x)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=acc, device=x.device)
+    for expert in topk_ids[topk_ids >= 0].unique().tolist():  # the reference may loop; backends must not
+        rows, slots = (topk_ids == expert).nonzero(as_tuple=True)
+        gate, up = (x[rows].to(acc) @ dequantize_fp8(w13[expert], w13_scale[expert], block_size, acc).T).chunk(2, -1)
+        hidden = (act(gate) * up).to(x.dtype).to(acc)
+        y = hidden @ dequantize_fp8(w2[expert], w2_scale[expert], block_size, acc).T
+        out.index_add_(0, rows, y * topk_weights[rows, slots, None].to(acc))
     return out.to(x.dtype)
 
 

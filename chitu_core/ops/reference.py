@@ -169,3 +169,4 @@ def fused_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk
 
 
 from chitu_core.ops.quant_reference import fp8_linear, gguf_linear, int4_linear, int8_linear  # noqa: E402,F401  contract 1.2
+from chitu_core.ops.quant_reference import fused_experts_fp8  # noqa: E402,F401  contract 1.3

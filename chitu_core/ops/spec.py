@@ -192,6 +192,30 @@ class OpSet(Protocol):
         Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). W is the rows dequantized exactly as ggml's reference
         dequantizer does (``chitu_core.quantization.gguf_blocks``)."""
 
+    # --- contract 1.3: quantized MoE experts (a quantization method's ``apply_experts`` calls it) ------
+
+    def fused_experts_fp8(
+        self,
+        x: Tensor,
+        w13: Tensor,
+        w13_scale: Tensor,
+        w2: Tensor,
+        w2_scale: Tensor,
+        block_size: tuple[int, int] | None,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        activation: str = "silu",
+    ) -> Tensor:
+        """``fused_experts`` with FP8 (e4m3) expert weights and 16-bit (or float32) activations ("soft FP8").
+
+        w13: float8_e4m3fn [E, 2I, H]; w2: float8_e4m3fn [E, H, I]. block_size (bn, bk): w13_scale
+        float32 [E, ceil(2I/bn), ceil(H/bk)], w2_scale [E, ceil(H/bn), ceil(I/bk)], W[e, n, k] =
+        w[e, n, k] * scale[e, n // bn, k // bk] (last blocks possibly partial); block_size None: per output
+        channel, w13_scale float32 [E, 2I], w2_scale [E, H], W[e, n, k] = w[e, n, k] * scale[e, n]. The
+        result is ``fused_experts(x, W13, W2, topk_weights, topk_ids, activation)`` with these dequantized
+        weights, which are exact in float32 (the reference computes in float64 when x is float64): the same
+        slots, negative ids skipped, the activation's result rounded to x.dtype, float32 accumulation."""
+
 
 OP_NAMES: tuple[str, ...] = tuple(
     name for name in OpSet.__dict__ if not name.startswith("_") and callable(OpSet.__dict__[name])

@@ -14,6 +14,14 @@ Options: a method instance carries a dict merged from the checkpoint's ``quantiz
 e.g. ``{"group_size": 128}`` or ``{"act_quant": True}``. ``in_situ`` (set by ``--quantization``):
 the layer is created with a 16-bit ``weight`` as an unquantized one would be, and quantized by
 ``quantize`` at load time, so a 16-bit checkpoint (or dummy weights) runs quantized.
+
+Routed MoE experts (contract 1.3): a method that sets ``holds_experts`` also owns a ``FusedMoE`` layer's
+stacked experts, through hooks that mirror the four steps: ``create_expert_weights`` (the ``w13`` and
+``w2`` families of parameters, see there), the layer's loader (one expert's checkpoint tensor into its
+slice), ``process_expert_weights_after_loading`` (in situ: ``quantize`` each expert's two matrices)
+and ``apply_experts`` (through the ops in ``expert_kernels``). The defaults keep a method written for
+1.0-1.2 working: it holds no experts, and a model whose experts it would quantize keeps them dense in
+situ, or is refused with a one-line error when a checkpoint stores them in that format.
 """
 
 from abc import ABC, abstractmethod
@@ -114,6 +122,56 @@ class QuantMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features] in x.dtype."""
 
+    # --- routed MoE experts (contract 1.3) ---------------------------------------------------------
+
+    holds_experts: ClassVar[bool] = False
+    """Whether this method can hold a ``FusedMoE`` layer's stacked experts (the hooks below)."""
+    expert_kernels: ClassVar[tuple[str, ...]] = ()
+    """Op names ``apply_experts`` calls; a backend whose op table lacks one is refused at build time."""
+
+    def create_expert_weights(self, layer: nn.Module, num_experts: int, hidden: int, local_inter: int,
+                              dtype: torch.dtype, device: torch.device) -> None:
+        """Register a MoE layer's expert parameters: E = num_experts, H = hidden, I = local_inter (this
+        rank's share of one expert's intermediate size). Two families, by name: ``w13`` (each expert's
+        [2I, H] gate rows then up rows) and ``w2`` (each expert's [H, I] down projection), the weight
+        itself under that name and each other checkpoint tensor ``X`` of the projection as ``w13_X`` /
+        ``w2_X`` (``map_expert_weight`` names ``experts.{e}.up_proj.weight_scale_inv`` so). Each is
+        stacked over experts ([E, ...]) and marked by ``quant_param`` as one expert's slice ``param[e]``
+        splits (``out_dim``/``in_dim`` count the dimensions of that slice). In situ (the default): dense
+        ``w13`` and ``w2`` in ``dtype``."""
+        if not self.in_situ:
+            raise NotImplementedError(f"quantization method {self.name!r} defines no checkpoint expert weights")
+        dense_expert_weights(layer, num_experts, hidden, local_inter, dtype, device)
+
+    def process_expert_weights_after_loading(self, layer: nn.Module) -> None:
+        """In situ: replace the dense ``w13`` and ``w2`` by what ``quantize`` makes of each expert's
+        matrix, stacked (``quantize``'s ``weight`` under the family's name, any other tensor ``X`` as
+        ``w13_X``), one expert at a time; then ``repack_experts``."""
+        if self.in_situ:
+            for family in ("w13", "w2"):
+                dense = getattr(layer, family)
+                delattr(layer, family)
+                stacked: dict[str, torch.Tensor] = {}
+                for expert in range(dense.shape[0]):
+                    for name, value in self.quantize(dense.data[expert]).items():
+                        if name not in stacked:
+                            stacked[name] = value.new_empty((dense.shape[0], *value.shape))
+                        stacked[name][expert] = value
+                del dense
+                for name, value in stacked.items():
+                    layer.register_parameter(family if name == "weight" else f"{family}_{name}",
+                                             nn.Parameter(value, requires_grad=False))
+        self.repack_experts(layer)
+
+    def repack_experts(self, layer: nn.Module) -> None:
+        """Turn the loaded expert tensors into the layout ``apply_experts``' kernels read (default: as they are)."""
+
+    def apply_experts(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      activation: str, ops: Ops) -> torch.Tensor:
+        """x: [T, H], topk_weights / topk_ids: ``moe_route``'s -> [T, H] in x.dtype, this rank's partial sum
+        (``ops.fused_experts``' semantics, with this method's weights)."""
+        raise NotImplementedError(f"quantization method {self.name!r} cannot run MoE experts")
+
     def weight_bytes(self, layer: nn.Module) -> int:
         """Bytes ``apply`` reads from the layer's parameters and buffers (the bench's floor)."""
         tensors = list(layer.parameters(recurse=False)) + list(layer.buffers(recurse=False))
@@ -140,3 +198,22 @@ class UnquantizedMethod(QuantMethod):
 
     def apply(self, layer, x, bias, ops):
         return ops.linear(x, layer.weight, bias)
+
+    holds_experts = True
+    expert_kernels = ("fused_experts",)
+
+    def create_expert_weights(self, layer, num_experts, hidden, local_inter, dtype, device):
+        dense_expert_weights(layer, num_experts, hidden, local_inter, dtype, device)
+
+    def process_expert_weights_after_loading(self, layer):
+        pass
+
+    def apply_experts(self, layer, x, topk_weights, topk_ids, activation, ops):
+        return ops.fused_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, activation)
+
+
+def dense_expert_weights(layer: nn.Module, num_experts: int, hidden: int, local_inter: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+    """``w13`` [E, 2I, H] and ``w2`` [E, H, I] in ``dtype``, marked as one expert's [out, in] matrix."""
+    quant_param(layer, "w13", (num_experts, 2 * local_inter, hidden), dtype, device, out_dim=0, in_dim=1)
+    quant_param(layer, "w2", (num_experts, hidden, local_inter), dtype, device, out_dim=0, in_dim=1)

@@ -22,6 +22,15 @@ per token group as well (a backend whose device multiplies FP8 prefers it). ``re
 variant in the op's canonical form: ``weight`` float8_e4m3fn [N, K] contiguous and ``weight_scale``
 float32 [N] or [ceil(N/bn), ceil(K/bk)]. ``quantize`` (in situ, conformance) is round-to-nearest
 with scale = amax / 448 per block, channel or tensor.
+
+Routed MoE experts (contract 1.3): the same layouts, stacked over experts and run by the
+``fused_experts_fp8`` op (soft FP8 whatever ``act_quant`` says: the op takes 16-bit activations).
+A checkpoint's ``experts.{e}.gate_proj.weight`` and its scale load into expert e's slice of ``w13``
+and ``w13_<scale name>`` (``w2`` for down_proj); ``repack_experts`` leaves ``w13``/``w2`` float8_e4m3fn
+[E, N, K] and ``w13_scale``/``w2_scale`` float32 [E, N] or [E, ceil(N/bn), ceil(K/bk)]. Block scales
+need gate and up to start on a block row of the stacked [2I, H] matrix, so this rank's intermediate
+size must be a multiple of bn (and of bk where tensor parallelism splits down's columns); in situ each
+expert's [2I, H] matrix is quantized whole, which has no such limit.
 """
 
 from collections.abc import Mapping
@@ -30,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from chitu_core.errors import ChituError
+from chitu_core.errors import ChituError, ModelLoadError
 from chitu_core.ops.quant_reference import FP8_MAX, dequantize_fp8
 from chitu_core.quantization.base import QuantMethod
 from chitu_core.quantization.ct_config import require, single_scheme, weight_type
@@ -167,6 +176,56 @@ class Fp8Method(QuantMethod):
     def apply(self, layer, x, bias, ops):
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, self.block_size,
                               bool(self.options["act_quant"]), bias)
+
+    # --- routed MoE experts ---------------------------------------------------------------------------
+
+    holds_experts = True
+    expert_kernels = ("fused_experts_fp8",)
+
+    def create_expert_weights(self, layer, num_experts, hidden, local_inter, dtype, device):
+        if self.in_situ:
+            return super().create_expert_weights(layer, num_experts, hidden, local_inter, dtype, device)
+        strategy, tp = self.strategy, getattr(layer, "tp_size", 1)
+        if strategy == "block":
+            bn, bk = self.block_size
+            if local_inter % bn or (tp > 1 and local_inter % bk):
+                raise ModelLoadError(
+                    f"fp8 MoE experts: {local_inter} intermediate rows per rank (moe intermediate size "
+                    f"{local_inter * tp} over {tp} tensor-parallel rank(s)) is not a multiple of the checkpoint's "
+                    f"{bn}x{bk} scale blocks, so gate, up and each rank's share cannot keep whole blocks; use a "
+                    f"tensor-parallel size that keeps it a multiple of {max(bn, bk) if tp > 1 else bn}, or "
+                    "quantize the 16-bit checkpoint in situ (--quantization fp8)")
+        for family, n, k in (("w13", 2 * local_inter, hidden), ("w2", hidden, local_inter)):
+            quant_param(layer, family, (num_experts, n, k), torch.float8_e4m3fn, device, out_dim=0, in_dim=1)
+            if strategy == "block":
+                bn, bk = self.block_size
+                quant_param(layer, f"{family}_{self.scale_name}", (num_experts, -(-n // bn), -(-k // bk)),
+                            torch.float32, device, out_dim=0, in_dim=1, out_pack=bn, in_pack=bk)
+            elif strategy == "channel" and self.options["format"] == "compressed-tensors":
+                quant_param(layer, f"{family}_weight_scale", (num_experts, n, 1), torch.float32, device, out_dim=0)
+            else:
+                scale = quant_param(layer, f"{family}_weight_scale", (num_experts, n), torch.float32, device,
+                                    out_dim=0)
+                scale.per_tensor = strategy == "tensor"  # type: ignore[attr-defined]
+            if self.options["static_input_scale"]:
+                input_scale = quant_param(layer, f"{family}_input_scale", (num_experts, n), torch.float32, device,
+                                          out_dim=0)
+                input_scale.per_tensor = True  # type: ignore[attr-defined]
+
+    def repack_experts(self, layer: nn.Module) -> None:
+        for family in ("w13", "w2"):
+            weight = getattr(layer, family).data.contiguous()
+            scales = getattr(layer, f"{family}_{self.scale_name}").data.float()
+            scales = (scales.flatten(1) if self.strategy != "block" else scales).contiguous()
+            for name in (family, f"{family}_{self.scale_name}", f"{family}_input_scale"):
+                if hasattr(layer, name):
+                    delattr(layer, name)
+            layer.register_parameter(family, nn.Parameter(weight, requires_grad=False))
+            layer.register_parameter(f"{family}_scale", nn.Parameter(scales, requires_grad=False))
+
+    def apply_experts(self, layer, x, topk_weights, topk_ids, activation, ops):
+        return ops.fused_experts_fp8(x, layer.w13, layer.w13_scale, layer.w2, layer.w2_scale, self.block_size,
+                                     topk_weights, topk_ids, activation)
 
 
 def _compressed_tensors_options(qc: Mapping[str, Any]) -> dict[str, Any]:

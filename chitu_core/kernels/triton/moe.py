@@ -19,6 +19,7 @@ top_k, E, H, I and the block sizes, so a device graph can capture them):
   alignment pass; the same two GEMMs and the same sum, three launches in all.
 
 Slots with a negative id are skipped (never computed, never summed). Block sizes: ``grouped_config``.
+The FP8 experts of contract 1.3 (``moe_fp8``) reuse the alignment, the shape choices and the sum.
 """
 
 from dataclasses import dataclass
@@ -146,7 +147,8 @@ def use_slot_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def _act_and_mul(gate, up, ACT: tl.constexpr):
+def act_and_mul(gate, up, ACT: tl.constexpr):
+    """act(gate) * up in float32 (the gate/up GEMMs' epilogue, here and in ``moe_fp8``)."""
     if ACT == "silu":
         act = gate * tl.sigmoid(gate)
     else:
@@ -186,7 +188,7 @@ def _grouped_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
     if GATED:
-        acc = _act_and_mul(acc, acc_up, ACT)
+        acc = act_and_mul(acc, acc_up, ACT)
     ptrs = out + slot.to(tl.int64)[:, None] * stride_out + n[None, :]
     tl.store(ptrs, acc.to(out.dtype.element_ty), mask=live[:, None] & (n[None, :] < n_out))
 
@@ -233,11 +235,13 @@ def _slot_gemv_kernel(
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
     if GATED:
-        acc = _act_and_mul(acc, acc_up, ACT)
+        acc = act_and_mul(acc, acc_up, ACT)
     tl.store(out + slot * stride_out + n, acc.to(out.dtype.element_ty), mask=n_ok)
 
 
-def _sum_slots(out, per_slot, topk_weights, topk_ids):
+def sum_slots(out, per_slot, topk_weights, topk_ids):
+    """out [T, H] = each token's float32 per-slot rows [T * k, H] weighted and summed in slot order (negative ids
+    skipped); shared with ``moe_fp8``."""
     num_tokens, top_k = topk_ids.shape
     hidden = out.shape[1]
     block = min(pow2(hidden), 1024)
@@ -266,7 +270,7 @@ def _slot_experts(out, x, w13, w2, topk_weights, topk_ids, activation):
     _slot_gemv_kernel[(slots, triton.cdiv(hidden, down["BLOCK_N"]))](
         per_slot, inter, w2, topk_ids, hidden, inter_size, 1, *inter.stride(), *w2.stride(), per_slot.stride(0),
         *topk_ids.stride(), TOP_K=top_k, GATED=False, ACT=activation, **down)
-    return _sum_slots(out, per_slot, topk_weights, topk_ids)
+    return sum_slots(out, per_slot, topk_weights, topk_ids)
 
 
 def _grouped_experts(out, x, w13, w2, topk_weights, topk_ids, activation, config: GemmConfig):
@@ -285,7 +289,7 @@ def _grouped_experts(out, x, w13, w2, topk_weights, topk_ids, activation, config
     _grouped_gemm_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
         per_slot, inter, w2, sorted_slots, block_expert, slots, hidden, inter_size, 1, *inter.stride(),
         *w2.stride(), per_slot.stride(0), GATED=False, **tiles)
-    return _sum_slots(out, per_slot, topk_weights, topk_ids)
+    return sum_slots(out, per_slot, topk_weights, topk_ids)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -11,6 +11,7 @@ from chitu_core.kernels.triton.gguf_linear import gguf_linear
 from chitu_core.kernels.triton.int4_linear import int4_linear
 from chitu_core.kernels.triton.int8_linear import int8_linear
 from chitu_core.kernels.triton.moe import fused_experts, moe_route
+from chitu_core.kernels.triton.moe_fp8 import fused_experts_fp8
 from chitu_core.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from chitu_core.kernels.triton.rotary import rotary_embedding
 
@@ -23,6 +24,7 @@ TRITON_OPS = {
     "greedy_sample": greedy_sample,
     "moe_route": moe_route,
     "fused_experts": fused_experts,
+    "fused_experts_fp8": fused_experts_fp8,
     "int4_linear": int4_linear,
     "int8_linear": int8_linear,
     "fp8_linear": fp8_linear,

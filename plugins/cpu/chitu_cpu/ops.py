@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from chitu_core.ops import reference
-from chitu_cpu.moe import fused_experts
+from chitu_cpu.moe import fused_experts, fused_experts_fp8
 
 Tensor = torch.Tensor
 
@@ -98,4 +98,5 @@ NATIVE_OPS = {
     "log_softmax": log_softmax,
     "moe_route": reference.moe_route,  # whole-tensor ops in float32 already: what the CPU would run
     "fused_experts": fused_experts,
+    "fused_experts_fp8": fused_experts_fp8,
 }

@@ -3,8 +3,8 @@ where the contract has one, PyTorch's CUDA kernels for the rest that are worth i
 
 linear goes to cuBLAS, or to cuBLASLt for the batch sizes where its kernels are faster;
 log_softmax is the reference's own PyTorch call, already the vendor kernel on CUDA tensors. greedy_sample is the Triton
-two-pass argmax (torch's gives each row to one block: 28 us for 128256 logits on an H200); moe_route and
-fused_experts are the Triton MoE kernels. Sampling
+two-pass argmax (torch's gives each row to one block: 28 us for 128256 logits on an H200); moe_route,
+fused_experts and fused_experts_fp8 are the Triton MoE kernels. Sampling
 filters and penalties stay reference fallbacks until on-device sampling kernels land.
 """
 
@@ -51,9 +51,12 @@ def native_ops(with_triton: bool) -> dict[str, Callable]:
     if not with_triton:
         return dict(TORCH_OPS)
     from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes
+    from chitu_core.kernels.triton.moe_fp8 import fused_experts_fp8_bytes
     from chitu_core.kernels.triton.ops import TRITON_OPS
 
     ops = {**TORCH_OPS, **TRITON_OPS}
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-        ops["fp8_linear"] = fp8_linear_bytes  # no FP8 types before Ada/Hopper: the bytes are decoded in registers
+        # no FP8 types before Ada/Hopper: the bytes are decoded in registers
+        ops["fp8_linear"] = fp8_linear_bytes
+        ops["fused_experts_fp8"] = fused_experts_fp8_bytes
     return ops
