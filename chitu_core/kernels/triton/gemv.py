@@ -57,9 +57,10 @@ def _nibble_sixteenths(w, J: tl.constexpr):
 
 @triton.jit(do_not_specialize=["k_per_split", "split"])
 def _int4_gemv_kernel(
-    out, partials, counters, x, qweight, scales, zeros, bias, N, K, group_size, k_per_split, split,
+    out, partials, counters, x, qweight, scales, zeros, bias, N, K, k_per_split, split,
     stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_b,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -78,7 +79,7 @@ def _int4_gemv_kernel(
         rows = k0 // 8 + ri
         nxt = tl.load(w_cols + (rows + R).to(tl.int64)[:, None] * stride_qk,
                       mask=((rows + R) * 8 < k_hi)[:, None] & n_ok[None, :], other=0)
-        grp = k0 // group_size
+        grp = k0 // GROUP  # a constant: a shift for the usual powers of two
         s = tl.load(scales + grp * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
         z = tl.load(zeros + grp * stride_zg + rn * stride_zn, mask=n_ok, other=0.0).to(tl.float32)
         t = tl.zeros((R, BLOCK_N), dtype=tl.float32)
@@ -112,8 +113,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     partials = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out
     _int4_gemv_kernel[(blocks, split)](
-        out, partials, split_counters(x.device), row, qweight, scales, zeros, b, n, k, group_size, k_per_split, split,
+        out, partials, split_counters(x.device), row, qweight, scales, zeros, b, n, k, k_per_split, split,
         row.stride(0), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split > 1, HAS_BIAS=bias is not None,
+        GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split > 1, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*x.shape[:-1], n)

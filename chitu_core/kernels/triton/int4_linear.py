@@ -38,15 +38,14 @@ class Int4Config:
 
 
 def int4_config(m: int, n: int, k: int, group_size: int, num_compute_units: int) -> Int4Config:
-    """Tiles by shape, from the sweep on an H100 at Llama-3.1-8B's shapes (plugins/nvidia/scripts/quant_sweep.py)."""
+    """Tiles by shape, from the sweep on an H100 at Llama-3.1-8B's shapes (plugins/nvidia/scripts/quant_sweep.py,
+    SWEEP_M="16 64"): 16 or 64 rows by 64 columns, 128 features a step, K split (up to 4 ways) until there
+    are about two programs per compute unit."""
     del group_size
-    if m <= 16:
-        config = Int4Config(16, 64, 128, 1)
-    else:
-        config = Int4Config(64, 128, 64, 1, num_warps=4, num_stages=3)
-    programs = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    split = max(1, min(triton.cdiv(k, config.block_k), triton.cdiv(2 * num_compute_units, programs)))
-    return Int4Config(config.block_m, config.block_n, config.block_k, split, config.num_warps, config.num_stages)
+    block_m = 16 if m <= 16 else 64
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
+    split = max(1, min(4, triton.cdiv(k, 128), triton.cdiv(2 * num_compute_units, programs)))
+    return Int4Config(block_m, 64, 128, split)
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split", "split"])

@@ -19,7 +19,8 @@ top_k, E, H, I and the block sizes, so a device graph can capture them):
   alignment pass; the same two GEMMs and the same sum, three launches in all.
 
 Slots with a negative id are skipped (never computed, never summed). Block sizes: ``grouped_config``.
-The FP8 experts of contract 1.3 (``moe_fp8``) reuse the alignment, the shape choices and the sum.
+Both kernels read the weights as ``ExpertWeights`` says: the model dtype, or 8-bit with block or
+channel scales (``moe_fp8``, contract 1.3).
 """
 
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import triton.language as tl
 
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.moe_align import align
+from chitu_core.kernels.triton.quant_matmul import TORCH_TO_TL, weight_tile
 
 SQRT_HALF = tl.constexpr(0.7071067811865476)
 ACTIVATIONS = ("silu", "gelu")
@@ -148,7 +150,7 @@ def use_slot_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
 
 @triton.jit
 def act_and_mul(gate, up, ACT: tl.constexpr):
-    """act(gate) * up in float32 (the gate/up GEMMs' epilogue, here and in ``moe_fp8``)."""
+    """act(gate) * up in float32 (the gate/up GEMMs' epilogue)."""
     if ACT == "silu":
         act = gate * tl.sigmoid(gate)
     else:
@@ -156,15 +158,30 @@ def act_and_mul(gate, up, ACT: tl.constexpr):
     return act * up
 
 
+@triton.jit
+def _scales(base, n, k0, n_ok, stride_sn, stride_sk, SCALES: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr,
+            W_FACTOR: tl.constexpr):
+    """The scales of output rows n: of the [BN_W, BK_W] block column holding K offset k0 ("block"), or per
+    output channel ("channel")."""
+    if SCALES == "block":
+        s = tl.load(base + (n // BN_W) * stride_sn + (k0 // BK_W) * stride_sk, mask=n_ok, other=0.0)
+    else:
+        s = tl.load(base + n * stride_sn, mask=n_ok, other=0.0)
+    return s * W_FACTOR
+
+
 @triton.jit(do_not_specialize=["slots"])
 def _grouped_gemm_kernel(
-    out, a, w, sorted_slots, block_expert, slots, n_out, k_dim, rows_per_a,
-    stride_at, stride_ak, stride_we, stride_wn, stride_wk, stride_out,
-    GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    out, a, w, w_scale, sorted_slots, block_expert, slots, n_out, k_dim, rows_per_a,
+    stride_at, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_out,
+    GATED: tl.constexpr, ACT: tl.constexpr, W_KIND: tl.constexpr, SCALES: tl.constexpr, BN_W: tl.constexpr,
+    BK_W: tl.constexpr, W_FACTOR: tl.constexpr, CT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """out[slot, n] = sum_k a[slot // rows_per_a, k] * w[e, n, k] for the BLOCK_M slots of one block of
-    expert e; GATED: act(gate) * up of the rows n and n + n_out of w (the gate/up GEMM)."""
+    """out[slot, n] = sum_k a[slot // rows_per_a, k] * W[e, n, k] for the BLOCK_M slots of one block of
+    expert e; GATED: act(gate) * up of the rows n and n + n_out of W (the gate/up GEMM). W is w itself
+    (W_KIND "float", SCALES "none") or an 8-bit w times its scales: per block column, applied to each K
+    tile's product (BLOCK_K divides BK_W), or per channel, applied after the K loop."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert + pid_m).to(tl.int64)
     if expert < 0:
@@ -172,25 +189,40 @@ def _grouped_gemm_kernel(
     slot = tl.load(sorted_slots + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     live = slot < slots
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_out
     k = tl.arange(0, BLOCK_K)
     a_ptrs = a + (slot // rows_per_a).to(tl.int64)[:, None] * stride_at + k[None, :] * stride_ak
     w_ptrs = w + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None] * stride_wk  # [K, N]
+    s_base = w_scale + expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         k_ok = k0 + k < k_dim
         a_tile = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & (n[None, :] < n_out)
-        acc = tl.dot(a_tile, tl.load(w_ptrs, mask=w_mask, other=0.0), acc=acc, input_precision=PRECISION)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        w_tile = weight_tile(w_ptrs, w_mask, W_KIND, CT)
+        if SCALES == "block":
+            scale = _scales(s_base, n, k0, n_ok, stride_sn, stride_sk, SCALES, BN_W, BK_W, W_FACTOR)
+            acc += tl.dot(a_tile, w_tile, input_precision=PRECISION) * scale[None, :]
+        else:
+            acc = tl.dot(a_tile, w_tile, acc=acc, input_precision=PRECISION)
         if GATED:
-            up_tile = tl.load(w_ptrs + n_out * stride_wn, mask=w_mask, other=0.0)
-            acc_up = tl.dot(a_tile, up_tile, acc=acc_up, input_precision=PRECISION)
+            up_tile = weight_tile(w_ptrs + n_out * stride_wn, w_mask, W_KIND, CT)
+            if SCALES == "block":
+                scale = _scales(s_base, n + n_out, k0, n_ok, stride_sn, stride_sk, SCALES, BN_W, BK_W, W_FACTOR)
+                acc_up += tl.dot(a_tile, up_tile, input_precision=PRECISION) * scale[None, :]
+            else:
+                acc_up = tl.dot(a_tile, up_tile, acc=acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    if SCALES == "channel":
+        acc *= _scales(s_base, n, 0, n_ok, stride_sn, stride_sk, SCALES, BN_W, BK_W, W_FACTOR)[None, :]
+        if GATED:
+            acc_up *= _scales(s_base, n + n_out, 0, n_ok, stride_sn, stride_sk, SCALES, BN_W, BK_W, W_FACTOR)[None, :]
     if GATED:
         acc = act_and_mul(acc, acc_up, ACT)
     ptrs = out + slot.to(tl.int64)[:, None] * stride_out + n[None, :]
-    tl.store(ptrs, acc.to(out.dtype.element_ty), mask=live[:, None] & (n[None, :] < n_out))
+    tl.store(ptrs, acc.to(out.dtype.element_ty), mask=live[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -208,12 +240,13 @@ def _sum_slots_kernel(out, per_slot, topk_weights, topk_ids, hidden, stride_out,
 
 @triton.jit
 def _slot_gemv_kernel(
-    out, a, w, topk_ids, n_out, k_dim, rows_per_a, stride_at, stride_ak, stride_we, stride_wn, stride_wk,
-    stride_out, stride_it, stride_ik,
-    TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    out, a, w, w_scale, topk_ids, n_out, k_dim, rows_per_a, stride_at, stride_ak, stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk, stride_out, stride_it, stride_ik,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, W_KIND: tl.constexpr, SCALES: tl.constexpr,
+    BN_W: tl.constexpr, BK_W: tl.constexpr, W_FACTOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[slot, n] = sum_k a[slot // rows_per_a, k] * w[e, n, k], e the slot's expert, as a matrix-vector
-    product; GATED as in ``_grouped_gemm_kernel``."""
+    """out[slot, n] = sum_k a[slot // rows_per_a, k] * W[e, n, k], e the slot's expert, as a matrix-vector
+    product in float32 registers; GATED, W and its scales as in ``_grouped_gemm_kernel``."""
     slot = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids + (slot // TOP_K) * stride_it + (slot % TOP_K) * stride_ik)
     if expert < 0:
@@ -223,17 +256,28 @@ def _slot_gemv_kernel(
     n_ok = n < n_out
     a_ptrs = a + (slot // rows_per_a) * stride_at + k * stride_ak
     w_ptrs = w + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk  # [N, K]
+    s_base = w_scale + expert * stride_se
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         k_ok = k0 + k < k_dim
         a_row = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         mask = n_ok[:, None] & k_ok[None, :]
-        acc += tl.sum(tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * a_row, axis=1)
+        part = tl.sum(weight_tile(w_ptrs, mask, W_KIND, tl.float32) * a_row, axis=1)
+        if SCALES == "block":
+            part *= _scales(s_base, n, k0, n_ok, stride_sn, stride_sk, SCALES, BN_W, BK_W, W_FACTOR)
+        acc += part
         if GATED:
-            acc_up += tl.sum(tl.load(w_ptrs + n_out * stride_wn, mask=mask, other=0.0).to(tl.float32) * a_row, axis=1)
+            part = tl.sum(weight_tile(w_ptrs + n_out * stride_wn, mask, W_KIND, tl.float32) * a_row, axis=1)
+            if SCALES == "block":
+                part *= _scales(s_base, n + n_out, k0, n_ok, stride_sn, stride_sk, SCALES, BN_W, BK_W, W_FACTOR)
+            acc_up += part
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    if SCALES == "channel":
+        acc *= _scales(s_base, n, 0, n_ok, stride_sn, stride_sk, SCALES, BN_W, BK_W, W_FACTOR)
+        if GATED:
+            acc_up *= _scales(s_base, n + n_out, 0, n_ok, stride_sn, stride_sk, SCALES, BN_W, BK_W, W_FACTOR)
     if GATED:
         acc = act_and_mul(acc, acc_up, ACT)
     tl.store(out + slot * stride_out + n, acc.to(out.dtype.element_ty), mask=n_ok)
@@ -241,7 +285,7 @@ def _slot_gemv_kernel(
 
 def sum_slots(out, per_slot, topk_weights, topk_ids):
     """out [T, H] = each token's float32 per-slot rows [T * k, H] weighted and summed in slot order (negative ids
-    skipped); shared with ``moe_fp8``."""
+    skipped)."""
     num_tokens, top_k = topk_ids.shape
     hidden = out.shape[1]
     block = min(pow2(hidden), 1024)
@@ -258,38 +302,87 @@ flight; DeepSeek-V2-Lite gate/up 53 -> 20 us (31% -> 81% of copy bandwidth), dow
 gate/up 52 -> ~14 us; Mixtral-8x7B down 206 -> ~59 us."""
 
 
-def _slot_experts(out, x, w13, w2, topk_weights, topk_ids, activation):
+@dataclass(frozen=True)
+class ExpertWeights:
+    """How the kernels read the expert weights: ``w_kind`` "float" (the model dtype, no scales), "fp8",
+    "fp8_bytes" or "int8" (``quant_matmul.weight_tile``); ``scales`` "none", "block" ([bn, bk] blocks)
+    or "channel"; ``factor`` multiplies every scale (``fp8_bytes``' 256)."""
+
+    w_kind: str = "float"
+    scales: str = "none"
+    bn: int = 1
+    bk: int = 1
+    factor: float = 1.0
+
+    def block_k(self, block_k: int) -> int:
+        """The largest BLOCK_K <= block_k dividing bk (every K tile inside one block column)."""
+        while self.scales == "block" and self.bk % block_k:
+            block_k //= 2
+        return block_k
+
+    def consts(self) -> dict:
+        return dict(W_KIND=self.w_kind, SCALES=self.scales, BN_W=self.bn, BK_W=self.bk, W_FACTOR=self.factor)
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int, int]:
+    if scale is None:
+        return 0, 0, 0
+    return scale.stride(0), scale.stride(1), scale.stride(2) if scale.dim() == 3 else 0
+
+
+def slot_experts(out, x, w13, s13, w2, s2, weights: ExpertWeights, topk_weights, topk_ids, activation):
+    """The per-slot path: gate/up matrix-vector products, down, the ordered sum (s13, s2: scales or None)."""
     num_tokens, top_k = topk_ids.shape
     slots, (_, hidden, inter_size) = num_tokens * top_k, w2.shape
-    up, down = SLOT_TILES[True], SLOT_TILES[False]
+    up, down = (dict(t, BLOCK_K=weights.block_k(t["BLOCK_K"])) for t in (SLOT_TILES[True], SLOT_TILES[False]))
     inter = torch.empty((slots, inter_size), dtype=x.dtype, device=x.device)
     _slot_gemv_kernel[(slots, triton.cdiv(inter_size, up["BLOCK_N"]))](
-        inter, x, w13, topk_ids, inter_size, hidden, top_k, *x.stride(), *w13.stride(), inter.stride(0),
-        *topk_ids.stride(), TOP_K=top_k, GATED=True, ACT=activation, **up)
+        inter, x, w13, s13 if s13 is not None else x, topk_ids, inter_size, hidden, top_k, *x.stride(),
+        *w13.stride(), *_scale_strides(s13), inter.stride(0), *topk_ids.stride(), TOP_K=top_k, GATED=True,
+        ACT=activation, **weights.consts(), **up)
     per_slot = torch.empty((slots, hidden), dtype=torch.float32, device=x.device)
     _slot_gemv_kernel[(slots, triton.cdiv(hidden, down["BLOCK_N"]))](
-        per_slot, inter, w2, topk_ids, hidden, inter_size, 1, *inter.stride(), *w2.stride(), per_slot.stride(0),
-        *topk_ids.stride(), TOP_K=top_k, GATED=False, ACT=activation, **down)
+        per_slot, inter, w2, s2 if s2 is not None else x, topk_ids, hidden, inter_size, 1, *inter.stride(),
+        *w2.stride(), *_scale_strides(s2), per_slot.stride(0), *topk_ids.stride(), TOP_K=top_k, GATED=False,
+        ACT=activation, **weights.consts(), **down)
     return sum_slots(out, per_slot, topk_weights, topk_ids)
 
 
-def _grouped_experts(out, x, w13, w2, topk_weights, topk_ids, activation, config: GemmConfig):
+def grouped_experts(out, x, w13, s13, w2, s2, weights: ExpertWeights, topk_weights, topk_ids, activation,
+                    config: GemmConfig):
+    """The grouped path: slots sorted by expert, gate/up GEMM, down GEMM, the ordered sum."""
     num_tokens, top_k = topk_ids.shape
     slots, (num_experts, hidden, inter_size) = num_tokens * top_k, w2.shape
     sorted_slots, block_expert = align(topk_ids, num_experts, config.block_m)
     blocks = block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for 16-bit operands
-    tiles = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=precision,
-                 ACT=activation, num_warps=config.num_warps, num_stages=config.num_stages)
+    tiles = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=weights.block_k(config.block_k),
+                 PRECISION=precision, ACT=activation, CT=TORCH_TO_TL[x.dtype], num_warps=config.num_warps,
+                 num_stages=config.num_stages, **weights.consts())
     inter = torch.empty((slots, inter_size), dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(blocks, triton.cdiv(inter_size, config.block_n))](
-        inter, x, w13, sorted_slots, block_expert, slots, inter_size, hidden, top_k, *x.stride(), *w13.stride(),
-        inter.stride(0), GATED=True, **tiles)
+        inter, x, w13, s13 if s13 is not None else x, sorted_slots, block_expert, slots, inter_size, hidden, top_k,
+        *x.stride(), *w13.stride(), *_scale_strides(s13), inter.stride(0), GATED=True, **tiles)
     per_slot = torch.empty((slots, hidden), dtype=torch.float32, device=x.device)
     _grouped_gemm_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
-        per_slot, inter, w2, sorted_slots, block_expert, slots, hidden, inter_size, 1, *inter.stride(),
-        *w2.stride(), per_slot.stride(0), GATED=False, **tiles)
+        per_slot, inter, w2, s2 if s2 is not None else x, sorted_slots, block_expert, slots, hidden, inter_size, 1,
+        *inter.stride(), *w2.stride(), *_scale_strides(s2), per_slot.stride(0), GATED=False, **tiles)
     return sum_slots(out, per_slot, topk_weights, topk_ids)
+
+
+def run_experts(x, w13, s13, w2, s2, weights: ExpertWeights, topk_weights, topk_ids, activation, path, config):
+    """Either path, chosen by shape unless ``path`` names one; ``fused_experts`` and ``moe_fp8``'s entry."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_experts: activation {activation!r} is not 'silu' or 'gelu'")
+    num_tokens, top_k = topk_ids.shape
+    out = torch.empty((num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    num_experts = w13.shape[0]
+    args = (out, x, w13, s13, w2, s2, weights, topk_weights, topk_ids, activation)
+    if (path or ("slots" if use_slot_path(num_tokens, top_k, num_experts) else "grouped")) == "slots":
+        return slot_experts(*args)
+    return grouped_experts(*args, config or grouped_config(num_tokens * top_k, num_experts, x.dtype))
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -297,17 +390,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   config: GemmConfig | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, k] (any strides) -> [T, H] in
     x.dtype. ``path`` ("grouped" or "slots") and ``config`` override the choices by shape (tests, tuning)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"fused_experts: activation {activation!r} is not 'silu' or 'gelu'")
     if not x.dtype == w13.dtype == w2.dtype:
         raise ValueError(f"fused_experts: x, w13 and w2 must share a dtype (got {x.dtype}, {w13.dtype}, "
                          f"{w2.dtype}); quantized experts go through a quantization method")
-    num_tokens, top_k = topk_ids.shape
-    out = torch.empty((num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
-        return out
-    num_experts = w13.shape[0]
-    if (path or ("slots" if use_slot_path(num_tokens, top_k, num_experts) else "grouped")) == "slots":
-        return _slot_experts(out, x, w13, w2, topk_weights, topk_ids, activation)
-    config = config or grouped_config(num_tokens * top_k, num_experts, x.dtype)
-    return _grouped_experts(out, x, w13, w2, topk_weights, topk_ids, activation, config)
+    return run_experts(x, w13, None, w2, None, ExpertWeights(), topk_weights, topk_ids, activation, path, config)

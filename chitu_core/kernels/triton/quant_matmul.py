@@ -88,13 +88,14 @@ def matmul_config(m: int, n: int, k: int, compute_units: int, operand_bytes: int
 
 
 @triton.jit
-def _weight_tile(ptrs, mask, W_KIND: tl.constexpr, CT: tl.constexpr):
+def weight_tile(ptrs, mask, W_KIND: tl.constexpr, CT: tl.constexpr):
+    """A weight tile as CT: "fp8_bytes" decoded in registers, "int8", or a float type ("fp8", "float")."""
     if W_KIND == "fp8_bytes":
         return decode_e4m3_bytes(tl.load(ptrs, mask=mask, other=0)).to(CT)
-    elif W_KIND == "fp8":
-        return tl.load(ptrs, mask=mask, other=0.0).to(CT)
-    else:
+    elif W_KIND == "int8":
         return tl.load(ptrs, mask=mask, other=0).to(CT)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(CT)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -130,7 +131,7 @@ def _quant_matmul_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         k_ok = k < k_hi
-        w = _weight_tile(w_rows + k[None, :] * stride_wk, n_ok[:, None] & k_ok[None, :], W_KIND, CT)  # [BN, BK]
+        w = weight_tile(w_rows + k[None, :] * stride_wk, n_ok[:, None] & k_ok[None, :], W_KIND, CT)  # [BN, BK]
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         if INLINE:
             a = a.to(tl.float32)
