@@ -44,10 +44,11 @@ class EngineConfig(BaseSettings):
     max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured as a graph")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")
-    kv_cache_dtype: Literal["auto", "fp8"] = Field(
-        "auto", description="KV cache elements: 'auto' the model dtype; 'fp8' float8_e4m3fn with a per-layer scale "
-        "(1.0) for keys and one for values, half the bytes a block (twice the blocks in the same memory), where the "
-        "attention backend supports it")
+    kv_cache_dtype: Literal["auto", "model", "fp8"] = Field(
+        "auto", description="KV cache elements: 'fp8' float8_e4m3fn with a per-layer scale for keys and one for "
+        "values (the checkpoint's, else 1.0), half the bytes a block (twice the blocks in the same memory), where the "
+        "attention backend supports it; 'model' the model dtype; 'auto' fp8 where the checkpoint declares an FP8 KV "
+        "cache (kv_cache_scheme, kv_cache_quant_algo), else the model dtype")
     seed: int = Field(0, description="seeds the per-request seeds of requests that set none")
     num_threads: int | None = Field(None, ge=1, description="host threads, for backends that use them "
                                     "(default: the backend's choice)")

@@ -323,8 +323,8 @@ def test_example_vendor_plugin_passes_with_fallbacks_and_declarations(outside, a
     source, f32, bf16, f16 = rows["attention/acme-paged"]
     # Head dims 32, 80 and 96 are declined by supports(); bfloat16 runs under the declared threshold (†).
     assert (source, f16) == ("native", "unsupported")
-    assert f32.startswith("pass (") and f32.endswith(", 3/14 unsupported")
-    assert bf16.startswith("pass (") and bf16.endswith("≤ 1e-04), 3/14 unsupported †")
+    assert f32.startswith("pass (") and f32.endswith(", 3/16 unsupported")
+    assert bf16.startswith("pass (") and bf16.endswith("≤ 1e-04), 3/16 unsupported †")
     assert "| `attention` | bfloat16 | nmse 5e-05, each element within 0.03 of max abs ref | nmse 0.0001" in out
     assert re.search(r"^\d+ cases: \d+ pass, \d+ fallback, \d+ unsupported, 0 skipped, 0 fail$", out, re.M)
 
@@ -343,9 +343,9 @@ def test_planted_wrong_op_fails_and_is_named(outside, tmp_path):
 
 
 def test_planted_out_of_bounds_writes_are_caught(outside, tmp_path):
-    plant = {"attention.py": [("        slots[meta.slot_mapping, 1] = v.to(kv_cache.dtype)\n",
-                               "        slots[meta.slot_mapping + 1, 1] = v.to(kv_cache.dtype)\n"
-                               "        slots[meta.slot_mapping, 1] = v.to(kv_cache.dtype)\n")],
+    plant = {"attention.py": [("        slots[slot_mapping, 1] = v.to(kv_cache.dtype)\n",
+                               "        slots[slot_mapping + 1, 1] = v.to(kv_cache.dtype)\n"
+                               "        slots[slot_mapping, 1] = v.to(kv_cache.dtype)\n")],
              "ops.py": [("return gate * torch.sigmoid(gate) * up", "return gate.mul_(torch.sigmoid(gate)) * up")]}
     bad = _vendor_copy(tmp_path, "oob", plant)
     code, out, _ = conformance(outside, "--backend", "acme", "--ops", "silu_and_mul,attention*,greedy_sample",

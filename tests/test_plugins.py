@@ -285,7 +285,8 @@ def test_without_chitu_cpu_llm_says_what_to_install(outside, without_cpu, third_
         "chitu_models_importable": True,
         "dists": ["chitu-core", "chitu-models"],
         "error": "BackendNotFound",
-        "message": "no backend named 'cpu' is installed; install it with `pip install chitu-cpu` (installed backends: none)",
+        "message": "no backend named 'cpu' is installed (installed backends: none); install the distribution that "
+                   "provides it (this project's own backends are published as chitu-<name>)",
     }
     inv = _inventory(outside, paths, hermetic=True)
     assert inv["backends"] == [] and inv["failures"] == []
@@ -360,7 +361,7 @@ def test_auto_picks_the_highest_priority_available_backend(fixture_inventory, fi
     assert fixture_probe["backend:auto"] == {"backend": "fast"}
     assert fixture_probe["backend:absent"] == {
         "error": "BackendUnavailable",
-        "message": f"backend 'absent' is installed but cannot run here: {ABSENT_REASON}",
+        "message": f"backend 'absent' (from chitu-test-absent 0.1.0) is installed but cannot run here: {ABSENT_REASON}",
     }
 
 
@@ -422,8 +423,9 @@ def test_chitu_plugins_errors_say_what_it_left_out(outside, fixture_plugins):
         "model:LlamaForCausalLM": {"model": "LlamaForCausalLM"},
         "backend:nonexistent": {
             "error": "BackendNotFound",
-            "message": "no backend named 'nonexistent' is installed; install it with `pip install chitu-nonexistent` "
-                       "(installed backends: cpu (CHITU_PLUGINS=cpu,LlamaForCausalLM excludes others))",
+            "message": "no backend named 'nonexistent' is installed (installed backends: cpu (CHITU_PLUGINS=cpu,"
+                       "LlamaForCausalLM excludes others)); install the distribution that provides it (this project's "
+                       "own backends are published as chitu-<name>)",
         },
     }
 
@@ -437,13 +439,13 @@ def test_unknown_backend_names_the_package_to_install(monkeypatch, fixture_probe
     monkeypatch.delenv("CHITU_PLUGINS", raising=False)
     with pytest.raises(BackendNotFound) as info:
         get_backend("nonexistent")
-    assert str(info.value).startswith("no backend named 'nonexistent' is installed; install it with "
-                                      "`pip install chitu-nonexistent` (installed backends: ")
+    assert str(info.value).startswith("no backend named 'nonexistent' is installed (installed backends: ")
     assert "cpu" in str(info.value).split("installed backends: ")[1]
     assert fixture_probe["backend:nonexistent"] == {
         "error": "BackendNotFound",
-        "message": "no backend named 'nonexistent' is installed; install it with `pip install chitu-nonexistent` "
-                   f"(installed backends: {', '.join(sorted(['absent', 'broken', 'cpu', 'fast', 'future', *OTHER_BACKENDS]))})",
+        "message": "no backend named 'nonexistent' is installed (installed backends: "
+                   f"{', '.join(sorted(['absent', 'broken', 'cpu', 'fast', 'future', *OTHER_BACKENDS]))}); install the "
+                   "distribution that provides it (this project's own backends are published as chitu-<name>)",
     }
 
 

@@ -15,15 +15,13 @@ multiply by a reciprocal instead: the rounding differs), clamped to e4m3's finit
 bfloat16, float16 and float32, so a kernel may upcast the stored bytes to its compute dtype and
 fold the scales into the softmax scale and the output instead.
 
-Scales default to 1.0, as vLLM's do where a checkpoint gives none: e4m3 then holds |x| <= 448
-with a relative step of 2**-3 down to 2**-6 (and absolute steps of 2**-9 below): keys and values of
-order 1 to 100, as models have them, fit, and rarer outliers saturate. Checkpoints quantized with a KV-cache scheme
-(llm-compressor's ``kv_cache_scheme``, ModelOpt) carry per-layer scalars such as
-``model.layers.N.self_attn.k_scale`` / ``v_scale``; loading them would take a loadable parameter
-for each on the attention layer (a ``weight_loader`` copying the scalar into ``kv_scale[0]`` or
-``[1]``, the same on every tensor-parallel rank), a ``map_weight_name`` rule for the checkpoint's
-names, and leaving them optional in the loader's missing-tensor check (and skipped when the cache
-is not fp8). Not done yet: every layer's scales are 1.0.
+Checkpoints quantized with a KV-cache scheme (llm-compressor's ``kv_cache_scheme``, ModelOpt's
+``kv_cache_quant_algo``) carry per-layer scalars such as ``model.layers.N.self_attn.k_scale`` /
+``v_scale`` with this very meaning; ``chitu_core.quantization.kv_scales`` loads them into the layers'
+``kv_scale`` (regular attention only: no format defines one for the latent row). Elsewhere scales are
+1.0, as vLLM's are where a checkpoint gives none: e4m3 then holds |x| <= 448 with a relative step of
+2**-3 down to 2**-6 (and absolute steps of 2**-9 below): keys and values of order 1 to 100, as models
+have them, fit, and rarer outliers saturate.
 """
 
 import torch
@@ -33,7 +31,8 @@ Tensor = torch.Tensor
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 KV_CACHE_DTYPES = ("auto", "fp8")
-"""What ``EngineConfig.kv_cache_dtype`` accepts: "auto" (the model dtype) or "fp8"."""
+"""What ``set_kv_cache_dtype`` accepts: "auto" (the model dtype) or "fp8" (the engine resolves its own
+``kv_cache_dtype``, "auto" / "model" / "fp8", to one of these: ``quantization.kv_scales``)."""
 
 
 def is_fp8(kv_cache: Tensor) -> bool:

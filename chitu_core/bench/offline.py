@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from chitu_core.bench.floor import RoutedExperts, copy_bandwidth, decode_kv_bytes, weight_bytes_read
-from chitu_core.bench.peer import run_hf
+from chitu_core.bench.peer import choose_peer, run_hf
 from chitu_core.engine.llm import LLM
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.sampling.params import SamplingParams
@@ -134,9 +134,10 @@ def _measure(run: BatchRun, batch: int, input_len: int) -> dict[str, Any]:
 
 def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     """Load the model, warm up, run the measured batch ``--runs`` times and report the run of median
-    decode rate (what --json prints); with ``--peer hf``, then transformers on the same prompts.
-    With ``--load-format dummy`` both draw random weights on the device from config.json alone, each
-    its own: only speed compares."""
+    decode rate (what --json prints); with ``--peer hf``, then transformers on the same prompts, as
+    ``peer.choose_peer`` decides for a quantized run (``peer: null`` and ``peer_unavailable``, the
+    reason, where transformers cannot run it). With ``--load-format dummy`` both draw random weights on
+    the device from config.json alone, each its own: only speed compares."""
     dummy = args.load_format == "dummy"
     hf = open_model_dir(args.model, require_weights=not dummy).config
     llm = LLM(
@@ -191,9 +192,13 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         device, dtype, sync = engine.device, engine.dtype, engine.backend.synchronize
         del engine, llm
         gc.collect()
+        choice = choose_peer(getattr(hf, "quantization_config", None), args.quantization, device, dtype, dummy)
+        if isinstance(choice, str):
+            report["peer"], report["peer_unavailable"] = None, choice
+            return report
         prompts = random_prompts(B, I, hf.vocab_size, args.seed)
         try:
-            peer = run_hf(args.model, device, dtype, prompts, O, args.peer_runs, sync, dummy=dummy)
+            peer = run_hf(args.model, device, dtype, prompts, O, args.peer_runs, sync, dummy=dummy, peer=choice)
         except Exception as exc:  # the peer's failure is reported, ours still stands
             peer = {"mode": "failed", "error": f"{type(exc).__name__}: {exc}"[:500], "output_tok_per_s": None,
                     "decode_tok_per_s": None}
@@ -238,6 +243,9 @@ def render(r: dict[str, Any]) -> str:
     lines.append(line)
     if "peer" in r:
         p = r["peer"]
+        if p is None:
+            lines.append(f"peer     transformers not run: {r['peer_unavailable']}")
+            return "\n".join(lines)
         if p["mode"] == "failed":
             lines.append(f"peer     transformers failed: {p['error']}")
             return "\n".join(lines)
@@ -270,7 +278,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the random prompts")
     parser.add_argument("--runs", type=int, default=1, help="measured runs; the report shows the one of median decode rate")
     parser.add_argument("--peer", choices=["none", "hf"], default="none",
-                        help="hf: also run transformers on the same model, device and prompts, and compare")
+                        help="hf: also run transformers on the same model, device and prompts, and compare "
+                        "(quantized: as transformers runs the format, or a line saying why not; docs/quantization.md)")
     parser.add_argument("--peer-runs", type=int, default=1, help="measured runs of the peer (median)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="time each step's forward (one more device sync a step)")

@@ -8,6 +8,11 @@ pool, block tables are padded with other sequences' block ids, last blocks are p
 the cache is guarded (``guards.GuardedCache``): after every step only the blocks of that step's new
 tokens may have changed. Queries, keys, values and metadata are guarded operands.
 
+Padding (``Plan.padding``): the step-2 batch of some plans ends with padding rows, run eagerly (no
+graph), as the engine sends them outside graphs too (its memory profile step pads every row): slot -1,
+one token, sequence length 1. Nothing of theirs may be written (a write at slot -1 that wraps to the
+cache's last slot fails the cache guard); their outputs are ignored but must be finite.
+
 FP8 cache (contract 1.2), rows ``attention/NAME/fp8-kv``: the backend's cache in float8_e4m3fn with
 the plan's scales (a guarded operand too), against the same dense attention over the keys and
 values the reference's fp8 cache reads back (``chitu_core.attention.fp8``: quantized on the host,
@@ -45,6 +50,7 @@ class Plan:
     scale: float | None = None  # None: 1/sqrt(head_dim)
     layout: str = "padded"  # of q, k and v: slices of a fused projection, or contiguous
     kv_scale: tuple[float, float] | None = None  # an fp8 cache's (key, value) scales; None: the model dtype
+    padding: int = 0  # padding rows (slot -1) ending the step-2 batch
 
 
 PLANS = [
@@ -61,12 +67,15 @@ PLANS = [
     Plan("mixed", 4, 2, 64, ((0, 11), (20, 1), (37, 5)), scale=0.3),
     Plan("long decode", 4, 1, 64, ((4093, 1), (2, 1))),
     Plan("long chunked", 8, 2, 128, ((2047, 64), (0, 3))),
+    Plan("padded mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), padding=3),
+    Plan("padded prefill", 4, 4, 64, ((0, 17), (0, 16)), layout="contiguous", padding=1),
 ]
 SWEEP = Plan("mixed", 4, 2, 64, ((0, 11), (20, 1), (37, 5)))  # run at every other block size a backend declares
 FP8_PLANS = [  # at the default block size only
     Plan("mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), kv_scale=(0.0075, 0.02)),  # keys beyond 3.36 saturate
     Plan("decode", 8, 1, 128, ((33, 1), (130, 1), (2, 1)), kv_scale=(1.0, 1.0)),
     Plan("prefill", 4, 4, 64, ((0, 17), (0, 5)), layout="contiguous", kv_scale=(0.3, 0.05)),
+    Plan("padded mixed", 4, 2, 64, ((0, 9), (16, 1)), kv_scale=(0.3, 0.05), padding=2),
 ]
 
 
@@ -131,24 +140,25 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, context: int, scale: float)
 
 
 class Step:
-    """One guarded forward call: operands, metadata and the cache it writes."""
+    """One guarded forward call: operands, metadata (padding rows last) and the cache it writes."""
 
     def __init__(self, case: Case, plan: Plan, attn: AttentionBackend, cache: GuardedCache, tables: Tensor,
-                 contexts: list[int], news: list[int], gen: torch.Generator, device: torch.device):
+                 contexts: list[int], news: list[int], gen: torch.Generator, device: torch.device, padding: int = 0):
         hq, hk, d, dtype = plan.num_heads, plan.num_kv_heads, plan.head_dim, case.dtype
-        total = sum(news)
+        total = sum(news) + padding
         self.host = (randn(gen, total, hq, d, dtype=dtype), randn(gen, total, hk, d, dtype=dtype),
                      randn(gen, total, hk, d, dtype=dtype))
         self.operands = [guard(t, device, plan.layout) for t in self.host]
-        meta = metadata(tables, contexts, news, attn.block_size)
+        meta = metadata(tables, contexts + [0] * padding, news + [1] * padding, attn.block_size)
+        meta.slot_mapping[sum(news):] = -1
         self.meta_guards = [guard(getattr(meta, f), device) for f in ("slot_mapping", "block_tables", "seq_lens",
                                                                       "context_lens", "query_start_loc")]
         self.meta = AttentionMetadata(*(g.view for g in self.meta_guards), meta.max_query_len, meta.max_seq_len,
                                       meta.block_size)
         if plan.kv_scale is not None:
             self.meta_guards.append(guard(torch.tensor(plan.kv_scale, dtype=torch.float32), device))
-        self.slots = meta.slot_mapping
-        self.bounds = meta.query_start_loc.tolist()
+        self.slots = meta.slot_mapping[meta.slot_mapping >= 0]
+        self.bounds, self.real = meta.query_start_loc.tolist(), sum(news)
         self.attn, self.cache, self.scale = attn, cache, plan.scale or 1 / math.sqrt(d)
         self.kv_scale = plan.kv_scale
 
@@ -173,7 +183,11 @@ class Step:
         if problem := self.cache.check_writes(before, self.slots, self.attn.block_size):
             return None, problem
         shape = tuple(self.host[0].shape)
-        return out, check_tensor(out, shape, self.host[0].dtype, self.operands[0].view.device, "output")
+        if problem := check_tensor(out, shape, self.host[0].dtype, self.operands[0].view.device, "output"):
+            return None, problem
+        if not bool(out[self.real :].isfinite().all()):
+            return None, "padding rows (slot -1, sequence length 1) gave non-finite outputs"
+        return out, ""
 
     def per_sequence(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """Sequence i's queries, and its keys and values as the cache gives them back."""
@@ -191,8 +205,8 @@ def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan
         attn = attn_cls(plan.num_heads, plan.num_kv_heads, plan.head_dim, block_size, dtype, device)
         attn.set_kv_cache_dtype("auto" if plan.kv_scale is None else "fp8")
         contexts, news = [c for c, _ in plan.seqs], [n for _, n in plan.seqs]
-        tables, num_blocks = allocate_blocks(gen, [c + n for c, n in plan.seqs], block_size)
-        cache = GuardedCache.allocate(attn, num_blocks)
+        tables, num_blocks = allocate_blocks(gen, [c + n for c, n in plan.seqs] + [1] * plan.padding, block_size)
+        cache = GuardedCache.allocate(attn, num_blocks + 1)  # no table names the last block: slot -1 wraps there
     except Exception as exc:  # construction is part of what the backend declared it supports
         return Outcome(raised(exc, f"{attn_cls.__name__} construction").verdict, source)
     threshold = target.threshold(case)
@@ -219,8 +233,8 @@ def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan
             elif got.isnan().any():
                 return Outcome(Verdict.fail(f"step 1 sequence {b}: NaN in the output"), source)
             done[b] += sub[i]
-    # Step 2: the case's batch.
-    step = Step(case, plan, attn, cache, tables, contexts, news, gen, device)
+    # Step 2: the case's batch, padding rows last.
+    step = Step(case, plan, attn, cache, tables, contexts, news, gen, device, plan.padding)
     out, problem = step.run()
     if problem:
         return Outcome(Verdict.fail(f"step 2 ({plan.kind} batch): {problem}"), source)
@@ -260,7 +274,7 @@ def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
                           "head_dim": plan.head_dim, "block_size": bs, "kind": plan.kind,
                           "max_seq_len": max(c + n for c, n in plan.seqs),
                           "max_query_len": max(n for _, n in plan.seqs)}
-                lens = ",".join(f"{c}+{n}" for c, n in plan.seqs)
+                lens = ",".join(f"{c}+{n}" for c, n in plan.seqs) + (f",pad*{plan.padding}" if plan.padding else "")
                 label = (f"{plan.kind} Hq={plan.num_heads} Hk={plan.num_kv_heads} D={plan.head_dim} bs={bs} "
                          f"ctx+new={lens}" + (f" scale={plan.scale}" if plan.scale else ""))
                 row, label = fp8_row(plan, f"attention/{name}", label, params)

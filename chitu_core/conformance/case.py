@@ -10,7 +10,7 @@ collectives, in one two-process group) share a ``batch``.
 import statistics
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from chitu_core.backend import Backend
 from chitu_core.conformance.compare import Verdict
 from chitu_core.conformance.thresholds import Threshold, ThresholdBook, dtype_name
+from chitu_core.ops.checks import OpContractError, checks_paused
 from chitu_core.ops.table import Ops
 
 
@@ -54,7 +55,7 @@ class Perf:
 @dataclass
 class Outcome:
     verdict: Verdict
-    source: str = "native"  # "native", "override" or "fallback": who served the call
+    source: str = "native"  # "native", "override", "fallback" or "native+fallback": who served the call
     perf: Perf | None = None
 
 
@@ -90,21 +91,22 @@ def time_call(target: Target, fn: Callable[[], object], nbytes: int, flops: int 
     synchronization costs do not swamp small kernels); the median over the repeats."""
     opts = target.perf or PerfOptions()
     sync = target.backend.synchronize
-    for _ in range(opts.warmup):
-        fn()
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    k = calls or max(1, min(100, int(1e-3 / max(time.perf_counter() - start, 1e-9))))
-    times = []
-    for _ in range(opts.repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(k):
+    with checks_paused(target.ops):  # the calls were checked when the case ran them; time the ops alone
+        for _ in range(opts.warmup):
             fn()
         sync()
-        times.append((time.perf_counter() - start) / k)
+        start = time.perf_counter()
+        fn()
+        sync()
+        k = calls or max(1, min(100, int(1e-3 / max(time.perf_counter() - start, 1e-9))))
+        times = []
+        for _ in range(opts.repeats):
+            sync()
+            start = time.perf_counter()
+            for _ in range(k):
+                fn()
+            sync()
+            times.append((time.perf_counter() - start) / k)
     seconds = statistics.median(times)
     return Perf(seconds * 1e6, nbytes / seconds / 1e9 if nbytes else None,
                 flops / seconds / 1e12 if flops else None)
@@ -128,4 +130,15 @@ def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32,
 
 
 def raised(exc: BaseException, what: str) -> Outcome:
+    if isinstance(exc, OpContractError):  # it names the op that broke its contract, whatever called it
+        return Outcome(Verdict.fail(str(exc)))
     return Outcome(Verdict.fail(f"{what} raised {type(exc).__name__}: {exc}"))
+
+
+def ops_source(target: Target, ops: Iterable[str]) -> str:
+    """Who serves a case that runs several ops: "fallback" when every one is the reference,
+    "native+fallback" when some are, else "native" (overrides count as native here)."""
+    kinds = {target.ops.sources[op].kind for op in ops}
+    if "fallback" not in kinds:
+        return "native"
+    return "fallback" if kinds == {"fallback"} else "native+fallback"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from chitu_core.backend import Backend
 from chitu_core.conformance.case import Case, Outcome, Perf, PerfOptions, Target, time_call
 from chitu_core.conformance.compare import Verdict
 from chitu_core.conformance.thresholds import DTYPES, ThresholdBook, dtype_name
@@ -166,13 +167,19 @@ class CollectiveBatch:
                 detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
                 return [Outcome(Verdict.fail(f"a rank failed: {detail}"))] * len(cases)
             ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
-        outcomes = []
+        outcomes, source = [], collective_source(target.backend)
         for i, _ in enumerate(cases):
             problems = [f"rank {r}: {rows[i]['problem']}" for r, rows in enumerate(ranks) if rows[i]["problem"]]
             verdict = Verdict(False, 1.0, 0.0, "; ".join(problems)) if problems else Verdict(True, 0.0, 0.0)
             us = ranks[0][i]["perf_us"]
-            outcomes.append(Outcome(verdict, "native", Perf(us, ranks[0][i]["gbps"]) if us else None))
+            outcomes.append(Outcome(verdict, source, Perf(us, ranks[0][i]["gbps"]) if us else None))
         return outcomes
+
+
+def collective_source(backend: Backend) -> str:
+    """"native" where the backend names its process group, "fallback" where it leaves the core's default (gloo)."""
+    own = type(backend).process_group_backend is not Backend.process_group_backend
+    return "native" if own else "fallback"
 
 
 def collective_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:

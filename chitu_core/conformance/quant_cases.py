@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from chitu_core.conformance.case import Case, Outcome, Target, nbytes, randn, raised, time_call
+from chitu_core.conformance.case import Case, Outcome, Target, nbytes, ops_source, raised, randn, time_call
 from chitu_core.conformance.compare import Verdict, check_tensor, compare
 from chitu_core.conformance.guards import guard
 from chitu_core.ops.table import resolve_ops
@@ -92,8 +92,7 @@ def run_quant_case(method_name: str, options: dict, shape: tuple, case: Case, ta
     if problem := check_tensor(got, (m, n), dtype, device, "output"):
         return Outcome(Verdict.fail(problem))
     verdict = compare(got, want, target.threshold(case))
-    kinds = {target.ops.sources[op].kind for op in method_cls.kernels}
-    source = "fallback" if kinds == {"fallback"} else "native"
+    source = ops_source(target, method_cls.kernels)
     perf = None
     if target.perf is not None:
         weights = sum(nbytes(t) for t in list(layer.parameters()) + list(layer.buffers()))

@@ -102,8 +102,10 @@ def markdown(results: list[CaseResult], env: dict, perf: bool = False) -> str:
              f"device {env['device']} ({env['device_name']}); chitu-core {env['chitu_core']} (contract "
              f"{env['contract']}); torch {env['torch']}; python {env['python']}; commit {env['commit']}", "",
              summary(results), "", matrix(results), "",
-             "Cells: status (worst error against its threshold); — means the contract has no case in that dtype; "
-             "† marks a threshold the backend declared. Thresholds: docs/conformance-thresholds.md."]
+             "Source: native (the backend's), override (a hook plugin's), fallback (the core's reference; for the "
+             "collectives, the default gloo process group), native+fallback (a case running several ops, some of "
+             "them the reference's). Cells: status (worst error against its threshold); — means the contract has no "
+             "case in that dtype; † marks a threshold the backend declared. Thresholds: docs/conformance-thresholds.md."]
     if env["declared_thresholds"]:
         lines += ["", "## Declared thresholds", "", "| family or op | dtype | default | declared |", "|---|---|---|---|"]
         lines += [f"| `{d['key']}` | {d['dtype']} | {d['default']} | {d['declared']} |" for d in env["declared_thresholds"]]

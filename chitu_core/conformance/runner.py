@@ -16,6 +16,7 @@ from chitu_core.conformance.op_cases import op_cases
 from chitu_core.conformance.quant_cases import quant_cases
 from chitu_core.conformance.sampling_cases import sampler_cases
 from chitu_core.conformance.thresholds import DTYPES, ThresholdBook, dtype_name
+from chitu_core.ops.checks import checked_ops
 from chitu_core.plugins.discovery import backend_ops, get_backend
 
 STATUSES = ("pass", "fallback", "fail", "unsupported", "skipped")
@@ -30,7 +31,7 @@ class CaseResult:
     label: str
     family: str
     status: str  # one of STATUSES
-    source: str = ""  # native, override or fallback
+    source: str = ""  # native, override, fallback, or native+fallback (a case running several ops)
     metric: str = ""
     error: float | None = None
     bound: float | None = None
@@ -46,7 +47,8 @@ class CaseResult:
 def load_target(name: str, perf: PerfOptions | None = None) -> Target:
     """The backend named ``name``, its resolved ops and its declared thresholds."""
     backend = get_backend(name)
-    return Target(backend, backend_ops(backend), backend.device(), ThresholdBook(backend.tolerances()), perf)
+    ops = checked_ops(backend_ops(backend))  # every op call of every case checks its outputs' shapes and dtypes
+    return Target(backend, ops, backend.device(), ThresholdBook(backend.tolerances()), perf)
 
 
 def parse_dtypes(text: str) -> tuple[torch.dtype, ...]:
@@ -126,7 +128,7 @@ class Session:
 
     def _from_outcome(self, case: Case, outcome: Outcome) -> CaseResult:
         v = outcome.verdict
-        status = "fail" if not v.ok else "fallback" if outcome.source == "fallback" else "pass"
+        status = "fail" if not v.ok else "fallback" if "fallback" in outcome.source else "pass"
         result = self._result(case, status, outcome.source, v.error, v.bound, v.detail)
         if outcome.perf is not None:
             result.time_us, result.gbps, result.tflops = outcome.perf.median_us, outcome.perf.gbps, outcome.perf.tflops

@@ -10,7 +10,7 @@ reference log_softmax (the ``logits`` family threshold).
 
 import torch
 
-from chitu_core.conformance.case import Case, Outcome, Target, randn, raised, time_call, nbytes
+from chitu_core.conformance.case import Case, Outcome, Target, nbytes, ops_source, raised, randn, time_call
 from chitu_core.conformance.compare import Verdict, compare, compare_argmax, compare_draws, worst
 from chitu_core.conformance.op_cases import _mid_gaps
 from chitu_core.ops import reference
@@ -84,10 +84,8 @@ def run_sampler_case(case: Case, target: Target) -> Outcome:
 
 
 def _source(target: Target) -> str:
-    kinds = {target.ops.sources[op].kind for op in ("apply_penalties", "greedy_sample", "apply_temperature",
-                                                     "apply_top_k_top_p", "apply_min_p", "random_sample",
-                                                     "log_softmax")}
-    return "fallback" if kinds == {"fallback"} else "native"
+    return ops_source(target, ("apply_penalties", "greedy_sample", "apply_temperature", "apply_top_k_top_p",
+                               "apply_min_p", "random_sample", "log_softmax"))
 
 
 def sampler_cases(dtypes: tuple[torch.dtype, ...]) -> list[Case]:

@@ -33,7 +33,9 @@ from chitu_core.loader.dummy import fill_dummy_weights
 from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.model import KVGeometry
+from chitu_core.ops.table import with_checks_if_asked
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
+from chitu_core.quantization.kv_scales import load_kv_scales, resolve_kv_cache_dtype
 from chitu_core.quantization.select import apply_layer_choices, select_quantization
 from chitu_core.sampling.grammar import Constraints, GrammarCache
 from chitu_core.sampling.params import SamplingParams
@@ -98,7 +100,7 @@ class LLMEngine:
         self.device_index = local_rank % max(1, self.backend.device_count())
         self.device = self.backend.device(self.device_index)
         self.backend.set_device(self.device_index)
-        self.ops = backend_ops(self.backend)
+        self.ops = with_checks_if_asked(backend_ops(self.backend))  # CHITU_CHECK_OPS=1: each op checked
         # A GGUF file stays quantized where the backend runs GGUF blocks, else it is dequantized once.
         keep_gguf = "gguf" in self.backend.quant_methods()
         model_dir = open_model_dir(resolve_model(config.model, keep_quantized=keep_gguf),
@@ -112,7 +114,7 @@ class LLMEngine:
 
         geometry = model_cls.kv_geometry(hf_config, self.comm.world_size)
         self.attention = build_attention(self.backend, geometry, config.block_size, self.dtype, self.device,
-                                         config.kv_cache_dtype)
+                                         resolve_kv_cache_dtype(config.kv_cache_dtype, hf_config))
         block_size = self.attention.block_size
         self.quant = select_quantization(hf_config, config.quantization, self.backend)
         ctx = BuildContext(self.ops, self.attention, self.comm, self.dtype, self.device, self.quant)
@@ -124,7 +126,7 @@ class LLMEngine:
         if config.load_format == "dummy":
             fill_dummy_weights(self.model, config.seed)
         else:
-            weights = model_dir.iter_weights(progress=config.load_progress)
+            weights = load_kv_scales(self.model, model_dir.iter_weights(progress=config.load_progress))
             if model_dir.presharded:  # asked only then, so a model plugin's own load_weights(weights) keeps working
                 self.model.load_weights(weights, presharded=True)
             else:

@@ -8,8 +8,11 @@ from chitu_core.layers.context import BuildContext, StepContext
 
 class Attention(nn.Module):
     """One layer's attention. Where the backend's cache is fp8 (contract 1.2) the layer keeps its
-    scales (``kv_scale``, float32 [2]: keys, values; 1.0 until checkpoint scales are loaded) and
+    scales (``kv_scale``, float32 [2]: keys, values; the checkpoint's where it has them, else 1.0) and
     passes them to every backend call; otherwise it calls the backend as contract 1.0 does."""
+
+    checkpoint_kv_scales = ("k", "v")
+    """The checkpoint scales that fill ``kv_scale``, in order (``chitu_core.quantization.kv_scales``)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, ctx: BuildContext):
         super().__init__()

@@ -33,6 +33,11 @@ class MultiHeadLatentAttention(nn.Module):
     pair layout), ``scale`` the softmax scale (qk_head_dim**-0.5, times YaRN's mscale**2 where the
     config says so: the model's business, as transformers computes it)."""
 
+    checkpoint_kv_scales = ()
+    """No checkpoint format defines a scale for the latent row (llm-compressor's k_scale/v_scale measure
+    keys and values after kv_b_proj's up-projection): checkpoint KV scales are not loaded here, and an fp8
+    latent cache keeps 1.0 (``chitu_core.quantization.kv_scales``)."""
+
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, scale: float, ctx: BuildContext):
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads

@@ -1,5 +1,6 @@
 """Resolving a backend's op table: native ops, plugin overrides, reference fallbacks."""
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -57,3 +58,13 @@ def resolve_ops(
         else:
             impls[name], sources[name] = getattr(reference, name), OpSource("fallback", "chitu_core.ops.reference")
     return Ops(impls, sources)
+
+
+def with_checks_if_asked(ops: Ops) -> Ops:
+    """``ops`` itself, or under ``CHITU_CHECK_OPS=1`` a copy whose every op checks its outputs against
+    the contract (``chitu_core.ops.checks``) and names the op that broke it. The default costs nothing."""
+    if os.environ.get("CHITU_CHECK_OPS", "") in ("", "0"):
+        return ops
+    from chitu_core.ops.checks import checked_ops
+
+    return checked_ops(ops)

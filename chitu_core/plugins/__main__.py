@@ -1,4 +1,7 @@
-"""`python -m chitu_core.plugins [--json]`: list installed backends, models, quant methods, hooks."""
+"""`python -m chitu_core.plugins [--json] [--strict]`: list installed backends, models, quant methods, hooks.
+
+Exit status: 0, whatever was found; with ``--strict``, 1 when any plugin failed to load (for CI).
+"""
 
 import argparse
 import json
@@ -42,10 +45,11 @@ def render_text(inv: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chitu_core.plugins", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print the inventory as JSON")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when any plugin failed to load")
     args = parser.parse_args(argv)
     inv = inventory()
     print(json.dumps(inv, indent=2) if args.json else render_text(inv))
-    return 0
+    return 1 if args.strict and inv["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pluggy
 from stevedore import driver
 
-from chitu_core.backend import Backend
+from chitu_core.backend import Availability, Backend
 from chitu_core.errors import BackendNotFound, BackendUnavailable, ModelLoadError, PluginError
 from chitu_core.ops.table import Ops, resolve_ops
 from chitu_core.plugins import hookspecs
@@ -104,8 +104,8 @@ def load_backend_class(name: str) -> type[Backend]:
         installed = [e.name for e in entries(BACKENDS_GROUP)]
         hint = f" (CHITU_PLUGINS={os.environ['CHITU_PLUGINS']} excludes others)" if plugin_filter() else ""
         raise BackendNotFound(
-            f"no backend named {name!r} is installed; install it with `pip install chitu-{name}` "
-            f"(installed backends: {', '.join(installed) or 'none'}{hint})"
+            f"no backend named {name!r} is installed (installed backends: {', '.join(installed) or 'none'}{hint}); "
+            f"install the distribution that provides it (this project's own backends are published as chitu-<name>)"
         )
     cls = _load(entry)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
@@ -114,20 +114,33 @@ def load_backend_class(name: str) -> type[Backend]:
     return cls
 
 
+def availability(backend: Backend) -> Availability:
+    """``backend.is_available()``, with an exception it raises turned into the reason it is unavailable."""
+    try:
+        return backend.is_available()
+    except Exception as exc:  # the contract says never raise; a plugin that does is unavailable, and named
+        entry = _entry(BACKENDS_GROUP, backend.name)
+        origin = f" from {entry.origin}" if entry else ""
+        return Availability(False, f"is_available() of backend {backend.name!r}{origin} raised "
+                                   f"{type(exc).__name__}: {exc}")
+
+
 def get_backend(device: str = "auto") -> Backend:
     """The backend for ``device``: a backend name, or "auto" for the highest-priority available one."""
     if device != "auto":
         backend = load_backend_class(device)()
-        status = backend.is_available()
+        status = availability(backend)
         if not status.available:
-            raise BackendUnavailable(f"backend {device!r} is installed but cannot run here: {status.reason}")
+            entry = _entry(BACKENDS_GROUP, device)
+            origin = f" (from {entry.origin})" if entry else ""
+            raise BackendUnavailable(f"backend {device!r}{origin} is installed but cannot run here: {status.reason}")
         return backend
     candidates: list[Backend] = []
     problems: list[str] = []
     for entry in entries(BACKENDS_GROUP):
         try:
             backend = load_backend_class(entry.name)()
-            status = backend.is_available()
+            status = availability(backend)
         except PluginError as exc:
             problems.append(str(exc))
             continue

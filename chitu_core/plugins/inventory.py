@@ -8,6 +8,7 @@ from chitu_core.plugins.discovery import (
     BACKENDS_GROUP,
     HOOKS_GROUP,
     MODELS_GROUP,
+    availability,
     backend_ops,
     entries,
     hook_registry,
@@ -22,11 +23,11 @@ def _backend_report(entry) -> dict[str, Any]:
     row: dict[str, Any] = {"name": entry.name, "distribution": entry.dist_name, "version": entry.dist_version}
     try:
         backend = load_backend_class(entry.name)()
-        status = backend.is_available()
+        status = availability(backend)
         ops = backend_ops(backend)
     except PluginError as exc:
         return {**row, "loaded": False, "available": False, "error": str(exc)}
-    except Exception as exc:  # a backend whose is_available() or declarations raise
+    except Exception as exc:  # a backend whose declarations raise
         return {**row, "loaded": False, "available": False, "error": f"{type(exc).__name__}: {exc}"}
     attention = list(backend.attention_backends()) or ["reference (fallback)"]
     return {

@@ -4,7 +4,8 @@ A checkpoint's ``quantization_config`` (config.json) names its format in ``quant
 registered method says which formats it reads (``QuantMethod.claims``). ``--quantization
 fp8|int8|int4`` instead quantizes a 16-bit checkpoint (or dummy weights) while loading. Layers the
 format leaves unquantized (``ignore`` / ``modules_to_not_convert`` / ``ignored_layers``) are
-rebuilt unquantized before loading. A method the backend does not run is a one-line error.
+rebuilt unquantized before loading. A method the backend does not run is a one-line error. A
+compressed-tensors config without ``config_groups`` quantizes only the KV cache (``kv_scales``).
 """
 
 import fnmatch
@@ -45,13 +46,21 @@ class QuantSpec:
         return f"{self.method}{how} {self.options}" if self.options else f"{self.method}{how}"
 
 
-def _as_dict(quantization_config: Any) -> dict[str, Any] | None:
+def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:
+    """config.json's ``quantization_config`` as a dict, or None."""
+    quantization_config = getattr(hf_config, "quantization_config", None)
     if quantization_config is None:
         return None
     if isinstance(quantization_config, Mapping):
         return dict(quantization_config)
     to_dict = getattr(quantization_config, "to_dict", None)
     return to_dict() if to_dict else dict(vars(quantization_config))
+
+
+def _quantizes_weights(qc: Mapping[str, Any]) -> bool:
+    """False for a compressed-tensors config without ``config_groups``: it quantizes the KV cache only
+    (``kv_cache_scheme``, read by ``chitu_core.quantization.kv_scales``), the weights stay as they are."""
+    return qc.get("quant_method") != "compressed-tensors" or bool(qc.get("config_groups"))
 
 
 def _ignored(qc: Mapping[str, Any]) -> tuple[str, ...]:
@@ -64,7 +73,9 @@ def _ignored(qc: Mapping[str, Any]) -> tuple[str, ...]:
 def select_quantization(hf_config: Any, requested: str | None, backend) -> QuantSpec:
     """The QuantSpec for a model: the checkpoint's format, or ``requested`` in situ; checked against
     what ``backend`` runs, with its ``quant_preferences`` merged into the options."""
-    qc = _as_dict(getattr(hf_config, "quantization_config", None))
+    qc = checkpoint_quant_config(hf_config)
+    if qc is not None and not _quantizes_weights(qc):
+        qc = None
     if qc is not None and requested:
         raise ChituError(f"the checkpoint is already quantized ({qc.get('quant_method')!r}); --quantization "
                          f"{requested} quantizes 16-bit checkpoints only: leave it out")

@@ -18,10 +18,13 @@ class AcmePagedAttention(AttentionBackend):
         return (num_blocks, self.block_size, 2, self.num_kv_heads, self.head_dim)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
-        # 1. Store the step's new keys and values at their slots (block_id * block_size + offset).
+        # 1. Store the step's new keys and values at their slots (block_id * block_size + offset). A negative
+        #    slot marks a padding row: nothing of it is stored (as an index, -1 would wrap to the last slot).
+        keep = meta.slot_mapping >= 0
+        slot_mapping, k, v = meta.slot_mapping[keep], k[keep], v[keep]
         slots = kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim)  # one row per slot
-        slots[meta.slot_mapping, 0] = k.to(kv_cache.dtype)
-        slots[meta.slot_mapping, 1] = v.to(kv_cache.dtype)
+        slots[slot_mapping, 0] = k.to(kv_cache.dtype)
+        slots[slot_mapping, 1] = v.to(kv_cache.dtype)
         # 2. Attend, sequence by sequence, over the cached keys at positions <= each query's own.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group = self.num_heads // self.num_kv_heads
