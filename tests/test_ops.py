@@ -553,4 +553,6 @@ def test_rope_config_reads_transformers_configs():
     rope = rope_config(legacy)
     assert (rope.rope_type, rope.theta, rope.params["factor"]) == ("linear", 2e5, 2.0)
     with pytest.raises(Exception, match="not supported"):
+        rope_config(SimpleNamespace(rope_parameters={"rope_type": "made-up", "rope_theta": 1e4}))
+    with pytest.raises(Exception, match="needs the context length"):
         rope_config(SimpleNamespace(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}))

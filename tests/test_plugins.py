@@ -36,8 +36,8 @@ from chitu_core.plugins.discovery import entries
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "plugins"
 MODELS = [  # in name order, as the inventory lists them
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-    "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+    "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 ]
 IGNORED = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
 

@@ -4,7 +4,10 @@ Scaling types, as transformers defines them: "default", "linear" (positions
 divided by factor), "dynamic" (NTK-aware: the base grows once a position passes
 the original context), "llama3" (Llama 3.1's frequency-band interpolation),
 "yarn" (YaRN: a linear ramp between interpolated and original frequencies, and an
-attention factor multiplied into cos and sin; DeepSeek-V2/V3, Qwen long context).
+attention factor multiplied into cos and sin; DeepSeek-V2/V3, Qwen long context),
+"longrope" (Phi-3/3.5: each frequency divided by its own factor, from ``long_factor``
+where the context the table serves exceeds original_max_position_embeddings, else from
+``short_factor``, and an attention factor; see ``inv_freq_table``).
 Both config.json spellings are read: ``rope_parameters`` (transformers >= 5)
 and ``rope_theta`` + ``rope_scaling`` (earlier releases).
 """
@@ -18,7 +21,7 @@ from torch import nn
 from chitu_core.errors import ModelLoadError
 from chitu_core.layers.context import BuildContext
 
-SUPPORTED = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,15 @@ class RopeConfig:
 
     @property
     def attention_factor(self) -> float:
-        """What cos and sin are multiplied by (YaRN's attention factor; 1 for the other types)."""
-        if self.rope_type != "yarn":
+        """What cos and sin are multiplied by (YaRN's and LongRoPE's attention factor; 1 for the other types)."""
+        if self.rope_type not in ("yarn", "longrope"):
             return 1.0
         p = self.params
         if p.get("attention_factor") is not None:
             return float(p["attention_factor"])
+        if self.rope_type == "longrope":  # as transformers: for the short factors too
+            factor, original = p["factor"], p["original_max_position_embeddings"]
+            return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
         if p.get("mscale") and p.get("mscale_all_dim"):  # DeepSeek's spelling
             return yarn_mscale(p["factor"], p["mscale"]) / yarn_mscale(p["factor"], p["mscale_all_dim"])
         return yarn_mscale(p["factor"])
@@ -62,19 +68,30 @@ def rope_config(hf_config) -> RopeConfig:
     partial = params.pop("partial_rotary_factor", None) or getattr(hf_config, "partial_rotary_factor", None) or 1.0
     if rope_type not in SUPPORTED:
         raise ModelLoadError(f"RoPE scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    if rope_type == "yarn":
+    if rope_type in ("yarn", "longrope"):
         # As transformers: a config-level original_max_position_embeddings wins (Phi-3), the context
         # length is the fallback, and a missing factor is the ratio of the two.
+        longest = getattr(hf_config, "max_position_embeddings", None)
         original = getattr(hf_config, "original_max_position_embeddings", None)
-        original = original or params.get("original_max_position_embeddings") or hf_config.max_position_embeddings
+        original = original or params.get("original_max_position_embeddings") or longest
+        if original is None or (params.get("factor") is None and longest is None):
+            raise ModelLoadError(f"RoPE scaling {rope_type!r} needs the context length: the config sets neither "
+                                 "max_position_embeddings nor original_max_position_embeddings (and a factor); add them")
         params["original_max_position_embeddings"] = original
         if params.get("factor") is None:
-            params["factor"] = hf_config.max_position_embeddings / original
+            params["factor"] = longest / original
     return RopeConfig(rope_type, float(theta), params, float(partial))
 
 
 def inv_freq_table(rope: RopeConfig, rot_dim: int, num_positions: int, max_position_embeddings: int) -> torch.Tensor:
-    """float32 [num_positions, rot_dim/2]: the inverse frequency each position uses."""
+    """float32 [num_positions, rot_dim/2]: the inverse frequency each position uses.
+
+    LongRoPE: transformers picks the long factors for a forward whose sequence is longer than
+    original_max_position_embeddings (and recomputes the whole cache when a sequence grows past
+    it), the short ones otherwise. A paged cache keeps every key as it was rotated, so here one set
+    serves the whole context: the long factors where ``max_position_embeddings`` (the context this
+    table is for) exceeds the original one, else the short ones. That agrees with transformers for
+    every sequence in the second case, and for sequences longer than the original context in the first."""
     exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     p = rope.params
@@ -91,6 +108,13 @@ def inv_freq_table(rope: RopeConfig, rot_dim: int, num_positions: int, max_posit
         inv_freq = torch.where(medium, smoothed, scaled)
     elif rope.rope_type == "yarn":
         inv_freq = _yarn_inv_freq(rope, rot_dim)
+    elif rope.rope_type == "longrope":
+        long = max_position_embeddings > p["original_max_position_embeddings"]
+        factors = torch.tensor(p["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ModelLoadError(f"longrope's {'long' if long else 'short'}_factor has {factors.numel()} entries; "
+                                 f"the rotary dimension {rot_dim} needs {rot_dim // 2}")
+        inv_freq = 1.0 / (factors * rope.theta**exponents)
     table = inv_freq.expand(num_positions, -1).clone()
     if rope.rope_type == "dynamic":
         # A position past the original context uses the base transformers computes for a

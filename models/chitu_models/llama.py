@@ -5,11 +5,13 @@ per-head q/k norm, the MLP of each layer), so Qwen and the MoE models reuse it
 (see qwen.py, mixtral.py, qwen_moe.py).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from chitu_core.errors import ModelLoadError
 from chitu_core.layers import (
     Attention,
     BuildContext,
@@ -30,6 +32,27 @@ ACTIVATIONS = {"silu": "silu_and_mul", "gelu": "gelu_and_mul", "gelu_pytorch_tan
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def unfuse(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's fused projections (Phi-3's "…qkv_proj.weight", Phi-3's and GLM-4's "…gate_up_proj.weight")
+    as the separate tensors ``model.stacked_params`` names: the rows are cut at the full sizes of the parts of
+    the model's fused layer, so each part is then split for tensor parallelism as a separate tensor is."""
+    parts: dict[str, list[tuple[str, object]]] = {}
+    for fused, part, shard_id in model.stacked_params:
+        parts.setdefault(fused, []).append((part, shard_id))
+    for name, tensor in weights:
+        fused = next((f for f in parts if f in name), None)
+        if fused is None:
+            yield name, tensor
+            continue
+        layer = model.get_submodule(name[:name.index(fused) + len(fused) - 1])
+        sizes = [layer.parts[shard_id][2] for _, shard_id in parts[fused]]
+        if tensor.shape[0] != sum(sizes):
+            raise ModelLoadError(f"tensor {name!r} has {tensor.shape[0]} rows, not the {' + '.join(map(str, sizes))} "
+                                 "outputs of the fused projection (a quantized fused tensor does not load; quantize while loading)")
+        for (part, _), piece in zip(parts[fused], tensor.split(sizes)):
+            yield name.replace(fused, part), piece
 
 
 class DecoderAttention(nn.Module):
@@ -119,16 +142,22 @@ class LlamaForCausalLM(CausalLM):
         (".gate_up_proj.", ".up_proj.", 1),
     )
     ignored_weights = ("rotary_emb.inv_freq",)
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer  # GLM-4's adds sandwich norms
 
     def __init__(self, config, ctx: BuildContext):
         super().__init__()
-        rotary = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_config(config), ctx)
+        rotary = self.build_rotary(config, ctx)
         opts = self.attention_options(config)
-        self.model = DecoderModel(config, ctx, rotary, lambda i: DecoderLayer(
+        self.model = DecoderModel(config, ctx, rotary, lambda i: self.decoder_layer(
             config, DecoderAttention(config, i, rotary, ctx, **opts), self.build_mlp(config, i, ctx), ctx))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, ctx)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie(self.model.embed_tokens)
+
+    @classmethod
+    def build_rotary(cls, config, ctx: BuildContext) -> RotaryEmbedding:
+        """The rotary table every layer shares."""
+        return RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_config(config), ctx)
 
     @classmethod
     def attention_options(cls, config) -> dict:
