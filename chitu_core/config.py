@@ -54,3 +54,13 @@ class EngineConfig(BaseSettings):
                                     "(default: the backend's choice)")
     load_progress: bool = Field(True, description="show a progress bar while loading weights")
     profile_steps: bool = Field(False, description="time every step and its forward (adds a device sync per step)")
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="ranks a pipeline stage's layers are split over (default: the launch's WORLD_SIZE over "
+        "pipeline_parallel_size); launch with torchrun, one process per device")
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages the layers are split into, in order")
+    enable_expert_parallel: bool = Field(
+        False, description="MoE: give each tensor-parallel rank whole routed experts (a 1/tp share of them) instead of "
+        "a 1/tp slice of every expert")
+    cpu_experts: str | None = Field(
+        None, description="MoE: keep the routed experts of these layers in host memory and run them on the CPU backend "
+        "('all', or layer indices and ranges: '0-11,20'), for models whose experts do not fit on the device")

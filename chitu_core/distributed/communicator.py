@@ -18,8 +18,12 @@ Tensor = torch.Tensor
 class Communicator:
     """Collectives for one group of ranks. Tensors must live on this rank's device."""
 
-    def __init__(self, group: "dist.ProcessGroup | None" = None, world_size: int = 1, rank: int = 0):
+    def __init__(self, group: "dist.ProcessGroup | None" = None, world_size: int = 1, rank: int = 0,
+                 ranks: "list[int] | None" = None):
+        """``rank``: this rank's index in the group; ``ranks``: the group's members as world ranks
+        (default: 0..world_size-1, the whole world). ``send``/``recv`` take group indices."""
         self.group, self.world_size, self.rank = group, world_size, rank
+        self.ranks = ranks if ranks is not None else list(range(world_size))
 
     @classmethod
     def single(cls) -> "Communicator":
@@ -84,11 +88,11 @@ class Communicator:
         return x
 
     def send(self, x: Tensor, dst: int) -> None:
-        """Send x to rank ``dst`` (blocking)."""
-        dist.send(x.contiguous(), dst=dst, group=self.group)
+        """Send x to the group's rank ``dst`` (blocking)."""
+        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.group)
 
     def recv(self, x: Tensor, src: int) -> Tensor:
-        """Receive into x from rank ``src`` (blocking); returns x. x may be a non-contiguous view."""
+        """Receive into x from the group's rank ``src`` (blocking); returns x. x may be a non-contiguous view."""
         buf = x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.recv(buf, src=src, group=self.group)
+        dist.recv(buf, src=self.ranks[src], group=self.group)
         return x if buf is x else x.copy_(buf)

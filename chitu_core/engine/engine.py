@@ -17,7 +17,7 @@ from chitu_core.attention.contract import PagedKVBackend
 from chitu_core.attention.mla import ReferenceMLAAttention
 from chitu_core.attention.reference import ReferenceAttention
 from chitu_core.config import EngineConfig
-from chitu_core.distributed.communicator import Communicator
+from chitu_core.distributed.parallel import Parallel
 from chitu_core.engine.block_manager import BlockManager
 from chitu_core.engine.detokenizer import IncrementalDetokenizer
 from chitu_core.engine.graphs import DecodeGraphs
@@ -108,7 +108,9 @@ class LLMEngine:
         hf_config = model_dir.config
         model_cls = load_model_class(model_dir.architecture)
         self.dtype = _resolve_dtype(config.dtype, model_dir.config_dtype(), self.backend.supported_dtypes(), self.backend.name)
-        self.comm = Communicator.from_env(self.backend.process_group_backend())
+        self.parallel = Parallel.from_env(self.backend.process_group_backend(), config.tensor_parallel_size,
+                                          config.pipeline_parallel_size)
+        self.comm = self.parallel.tp
         if config.load_format == "auto":  # a directory pre-sharded by convert --tp: this rank's files
             model_dir = model_dir.for_rank(self.comm.rank, self.comm.world_size)
 
@@ -117,7 +119,8 @@ class LLMEngine:
                                          resolve_kv_cache_dtype(config.kv_cache_dtype, hf_config))
         block_size = self.attention.block_size
         self.quant = select_quantization(hf_config, config.quantization, self.backend)
-        ctx = BuildContext(self.ops, self.attention, self.comm, self.dtype, self.device, self.quant)
+        ctx = BuildContext(self.ops, self.attention, self.comm, self.dtype, self.device, self.quant, self.parallel,
+                           config.enable_expert_parallel)
         self.model = model_cls(hf_config, ctx)
         unfused: dict[str, tuple[str, ...]] = {}
         for fused, part, _ in getattr(self.model, "stacked_params", ()):  # spelled ".qkv_proj.", ".q_proj."

@@ -7,6 +7,7 @@ import torch
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 from chitu_core.attention.mla import MLAAttentionBackend
 from chitu_core.distributed.communicator import Communicator
+from chitu_core.distributed.parallel import Parallel
 from chitu_core.ops.table import Ops
 from chitu_core.quantization import QuantMethod
 from chitu_core.quantization.select import QuantSpec
@@ -15,7 +16,8 @@ from chitu_core.quantization.select import QuantSpec
 @dataclass
 class BuildContext:
     """Everything a layer needs at construction: the backend's ops and attention, the
-    tensor-parallel communicator, and the weights' dtype, device and quantization method."""
+    tensor-parallel communicator, the weights' dtype, device and quantization method, and where
+    the run's pipeline stages and experts are."""
 
     ops: Ops
     attention: AttentionBackend | MLAAttentionBackend  # the kind the model's KVGeometry asked for
@@ -23,6 +25,17 @@ class BuildContext:
     dtype: torch.dtype
     device: torch.device
     quant: QuantSpec = field(default_factory=QuantSpec)
+    parallel: Parallel | None = None  # the pipeline and expert layout (None: one stage, comm's ranks only)
+    expert_parallel: bool = False  # routed experts split whole over the tensor-parallel ranks
+    cpu_expert_layers: frozenset[int] = frozenset()  # layers whose routed experts stay in host memory
+
+    @property
+    def pp_rank(self) -> int:
+        return self.parallel.pp_rank if self.parallel is not None else 0
+
+    @property
+    def pp_size(self) -> int:
+        return self.parallel.pp_size if self.parallel is not None else 1
 
     @property
     def tp_rank(self) -> int:
