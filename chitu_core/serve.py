@@ -7,11 +7,16 @@ them with their defaults. With no ``--model`` the embedded SmolLM2-135M-Instruct
 
 If the engine fails (a step raised, or its process died), the server answers what is in flight,
 stops, and exits with status 1 after one ERROR log line saying why, for a supervisor to restart it.
+
+Under torchrun (``docs/launch.md``) rank 0 serves and drives the engine; every other rank runs
+``lockstep.run_follower``, stepping with it. A rank that stops ends the server the same way.
 """
 
 import asyncio
 import json
 import logging
+import os
+import signal
 import sys
 import tomllib
 from argparse import SUPPRESS, ArgumentParser, RawDescriptionHelpFormatter
@@ -116,13 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     from chitu_core.server.app import build_app
 
     config = load_config(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's
+    where = f"[rank {rank}]" if rank else ""
+    logging.basicConfig(level=config.log_level.upper(), format=f"%(levelname)s %(name)s{where}: %(message)s")
     from chitu_core.plugins.discovery import get_backend
 
     model_dir = resolve_model(config.model, keep_quantized="gguf" in get_backend(config.device).quant_methods())
-    name = config.served_model_name or (Path(config.model).stem if config.model else embedded_model_name())
     engine_fields = {k: getattr(config, k) for k in EngineConfig.model_fields}
-    llm = AsyncLLM(EngineConfig(**{**engine_fields, "model": model_dir}), process=config.engine_process)
+    engine_config = EngineConfig(**{**engine_fields, "model": model_dir})
+    if rank != 0:
+        from chitu_core.engine.lockstep import run_follower
+
+        return run_follower(engine_config)
+    name = config.served_model_name or (Path(config.model).stem if config.model else embedded_model_name())
+    llm = AsyncLLM(engine_config, process=config.engine_process)
     app = build_app(llm, [name], config.api_key, config.max_pending, config.reasoning_parser, config.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
 
@@ -130,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     llm.on_failure(stop_serving)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun stops its workers with SIGTERM, also when another rank died. uvicorn shuts down on it,
+        # then raises it again, which would end this process before it could say why: let it pass.
+        signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; uvicorn.run swallows it too

@@ -4,6 +4,10 @@ A decode step of B sequences reads every weight it multiplies with (all paramete
 an untied input-embedding table, of which it reads only B rows) and the keys and values of
 every sequence's context. Its floor time is those bytes over the device-to-device copy
 bandwidth (bytes read plus bytes written per second) measured in the same process run.
+
+Under torchrun every rank has a floor of its own: its weight shard and KV share over the bandwidth
+of its own device (the one of its local rank, which its copies and synchronizations must name);
+``aggregate_floor`` combines them into the run's.
 """
 
 import statistics
@@ -100,3 +104,26 @@ class RoutedExperts:
     def bytes_per_step(self, max_tokens: int) -> float:
         decode = [b for t, b in self.calls if t <= max_tokens]
         return sum(decode) / (len(decode) / len(self.layers)) if decode else 0.0
+
+
+def gather_floors(parallel, floor: dict) -> list[dict] | None:
+    """Under torchrun: every rank's ``floor`` (its own weight shard and KV share over its own
+    device's bandwidth), in rank order, on rank 0; None on the other ranks."""
+    import torch.distributed as dist
+
+    floors = [None] * parallel.world.world_size if parallel.is_driver else None
+    dist.gather_object(floor, floors, dst=0, group=parallel.control)
+    return floors
+
+
+def aggregate_floor(floors: list[dict], batch_size: int) -> dict:
+    """The run's floor from its ranks' (each with "pp_rank"): the bytes and bandwidths add up; a step
+    waits for the slowest rank of each pipeline stage, and a batch passes the stages one after another."""
+    stages: dict[int, float] = {}
+    for f in floors:
+        stages[f["pp_rank"]] = max(stages.get(f["pp_rank"], 0.0), f["step_ms"])
+    step_ms = sum(stages.values())
+    total = {k: sum(f[k] for f in floors) for k in ("weight_bytes", "kv_bytes_mean", "expert_bytes_all",
+                                                    "expert_bytes_routed_mean") if k in floors[0]}
+    return {"copy_gbps": round(sum(f["copy_gbps"] for f in floors), 1), **total, "step_ms": round(step_ms, 4),
+            "decode_tok_per_s": round(batch_size / (step_ms / 1e3), 3)}

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from chitu_core.bench.floor import RoutedExperts, copy_bandwidth, decode_kv_bytes, weight_bytes_read
+from chitu_core.bench.floor import (RoutedExperts, aggregate_floor, copy_bandwidth, decode_kv_bytes, gather_floors,
+                                    weight_bytes_read)
 from chitu_core.bench.peer import choose_peer, run_hf
 from chitu_core.engine.llm import LLM
 from chitu_core.loader.hf import open_model_dir
@@ -79,7 +80,8 @@ def _floor(engine, batch: int, input_len: int, output_len: int, routed_bytes: fl
     """Bytes a mean decode step must read and the floor they set at the bandwidth measured now. For a
     MoE model, ``routed_bytes`` (the experts a decode step's tokens were routed to, from an eager run)
     replaces the ``all_expert_bytes`` of every routed expert."""
-    bandwidth = copy_bandwidth(engine.device, engine.backend.synchronize)
+    # This rank's device: synchronize() alone would wait on device 0, and time only the launches elsewhere.
+    bandwidth = copy_bandwidth(engine.device, lambda: engine.backend.synchronize(engine.device_index))
     weights = weight_bytes_read(engine.model)
     moe = {}
     if routed_bytes is not None:
@@ -132,19 +134,22 @@ def _measure(run: BatchRun, batch: int, input_len: int) -> dict[str, Any]:
     }
 
 
-def run_offline(args: argparse.Namespace) -> dict[str, Any]:
+def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
     """Load the model, warm up, run the measured batch ``--runs`` times and report the run of median
     decode rate (what --json prints); with ``--peer hf``, then transformers on the same prompts, as
     ``peer.choose_peer`` decides for a quantized run (``peer: null`` and ``peer_unavailable``, the
     reason, where transformers cannot run it). With ``--load-format dummy`` both draw random weights on
-    the device from config.json alone, each its own: only speed compares."""
+    the device from config.json alone, each its own: only speed compares. Under torchrun every rank
+    runs the batch and measures its own floor; rank 0 returns the report (with ``floor_ranks``), the
+    others None."""
     dummy = args.load_format == "dummy"
     hf = open_model_dir(args.model, require_weights=not dummy).config
     llm = LLM(
         args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, load_progress=False,
         profile_steps=args.profile, max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 1),
         num_threads=args.threads, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-        quantization=args.quantization,
+        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     engine = llm.engine
     B, I, O = args.batch_size, args.input_len, args.output_len
@@ -185,11 +190,22 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     }
     moe = routed_expert_bytes(llm, random_prompts(B, I, engine.vocab_size, args.seed + 100 * median), params)
     floor = _floor(engine, B, I, O, *(moe or ()))
+    parallel = engine.parallel
+    if parallel.world.world_size > 1:  # every rank measured its own; rank 0 reports them all
+        floors = gather_floors(parallel, {"rank": parallel.world.rank, "tp_rank": parallel.tp_rank,
+                                          "pp_rank": parallel.pp_rank, "device": str(engine.device), **floor})
+        if floors is None:
+            return None
+        report["floor_ranks"] = floors
+        floor = aggregate_floor(floors, B)
     report["floor"] = floor
     if report["decode_tok_per_s"]:
         report["floor_fraction"] = round(report["decode_tok_per_s"] / floor["decode_tok_per_s"], 4)
-    if args.peer == "hf":
-        device, dtype, sync = engine.device, engine.dtype, engine.backend.synchronize
+    if args.peer == "hf" and parallel.world.world_size > 1:
+        report["peer"], report["peer_unavailable"] = None, "transformers runs on one device; this run has several ranks"
+    elif args.peer == "hf":
+        device, dtype, backend, index = engine.device, engine.dtype, engine.backend, engine.device_index
+        sync = lambda: backend.synchronize(index)  # noqa: E731
         del engine, llm
         gc.collect()
         choice = choose_peer(getattr(hf, "quantization_config", None), args.quantization, device, dtype, dummy)
@@ -241,6 +257,11 @@ def render(r: dict[str, Any]) -> str:
     if "floor_fraction" in r:
         line += f"; this run {r['floor_fraction']:.1%} of it"
     lines.append(line)
+    if "floor_ranks" in r:
+        lines[-1] += " (all ranks: the slowest of each pipeline stage, the stages in turn)"
+        lines += [f"  rank {g['rank']} ({g['device']}, tp {g['tp_rank']}, pp {g['pp_rank']}): {g['step_ms']:.3f} ms = "
+                  f"{g['weight_bytes'] / 1e9:.3f} GB weights + {g['kv_bytes_mean'] / 1e9:.3f} GB KV at "
+                  f"{g['copy_gbps']:.0f} GB/s" for g in r["floor_ranks"]]
     if "peer" in r:
         p = r["peer"]
         if p is None:
@@ -286,6 +307,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no decode graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="launch each decode step before the host has the previous one's tokens (default: on)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="ranks a pipeline stage (under torchrun; default: the world over the stages)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (under torchrun)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(run=main)
 
@@ -295,5 +319,9 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     report = run_offline(args)
-    print(json.dumps(report) if args.json else render(report))
+    if report is not None:  # None on the ranks other than 0 under torchrun
+        print(json.dumps(report) if args.json else render(report), flush=True)
+    if torch.distributed.is_initialized():  # under torchrun: leave together, so that no rank sees another vanish
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0

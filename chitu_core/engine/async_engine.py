@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from chitu_core.config import EngineConfig
 from chitu_core.engine.core import EngineCore, run_core_process
 from chitu_core.engine.engine import EngineStats, LLMEngine
+from chitu_core.engine.lockstep import driver_lockstep
 from chitu_core.engine.outputs import RequestOutput, merge_deltas
 from chitu_core.errors import ChituError
 from chitu_core.sampling.params import SamplingParams
@@ -86,7 +87,10 @@ class AsyncLLM:
                 except queue.Empty:
                     return None
 
-            core = EngineCore(self.engine, receive, self._dispatch)
+            # Under torchrun this process is rank 0 and drives the others; if one stops, the
+            # watchdog says so and ends the process (the core may be stuck in a collective).
+            lockstep = driver_lockstep(self.engine, lambda reason: log.error("exiting: the engine failed: %s", reason))
+            core = EngineCore(self.engine, receive, self._dispatch, lockstep)
             self._thread = threading.Thread(target=core.run, name="chitu-engine", daemon=True)
             self._thread.start()
 
