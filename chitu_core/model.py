@@ -81,8 +81,15 @@ class CausalLM(nn.Module):
         return name, None
 
     def skip_weight(self, name: str) -> bool:
-        """Whether a checkpoint tensor is deliberately not loaded."""
-        return any(fragment in name for fragment in self.ignored_weights)
+        """Whether a checkpoint tensor is deliberately not loaded: an ignored fragment, or a module
+        another pipeline stage holds (``chitu_core.layers.stage.Absent``)."""
+        if any(fragment in name for fragment in self.ignored_weights):
+            return True
+        if not hasattr(self, "_absent_prefixes"):
+            from chitu_core.layers.stage import absent_prefixes
+
+            self._absent_prefixes = absent_prefixes(self)
+        return name.startswith(self._absent_prefixes) if self._absent_prefixes else False
 
     def process_weights_after_loading(self) -> None:
         """Once every weight is in place (from a checkpoint or ``load_format="dummy"``): each layer's

@@ -64,6 +64,11 @@ class Parallel:
         """Rank 0 of the world: the one that takes requests and tells the others what to run."""
         return self.world.rank == 0
 
+    @property
+    def sampler_rank(self) -> int:
+        """The world rank whose sampled tokens every rank takes: tensor-parallel rank 0 of the last stage."""
+        return (self.pp_size - 1) * self.tp_size
+
     def stage_rank(self, stage: int) -> int:
         """The world rank of this rank's counterpart (same tp_rank) in pipeline stage ``stage``."""
         return stage * self.tp_size + self.tp_rank

@@ -29,6 +29,7 @@ from chitu_core.engine.sequence import Request, Sequence
 from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext
 from chitu_core.layers.layout import store_linear_weights_transposed
+from chitu_core.layers.stage import stage_layers
 from chitu_core.loader.dummy import fill_dummy_weights
 from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
@@ -142,8 +143,11 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.graph_runner = None if config.enforce_eager else self.backend.graph_runner()
         self.max_graph_batch = min(config.max_num_seqs, config.max_graph_batch_size)
-        num_blocks = self._num_blocks(geometry.num_layers, block_size)
-        kv_caches = [self.attention.allocate_kv_cache(num_blocks) for _ in range(geometry.num_layers)]
+        # A pipeline stage caches its own layers only; the others' entries stay empty.
+        local = stage_layers(geometry.num_layers, self.parallel.pp_size, self.parallel.pp_rank)
+        num_blocks = self._num_blocks(len(local), block_size)
+        kv_caches = [self.attention.allocate_kv_cache(num_blocks) if i in local else torch.empty(0, device=self.device)
+                     for i in range(geometry.num_layers)]
         self.attention.warmup()
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -152,10 +156,12 @@ class LLMEngine:
         sync = (lambda: self.backend.synchronize(self.device_index)) if config.profile_steps else None
         self.runner = ModelRunner(self.model, self.attention, kv_caches, Sampler(self.ops), self.device,
                                   self.vocab_size, self.eos_token_ids, sync, self.backend.completion_event)
+        self.runner.parallel = self.parallel
         if self.graph_runner is not None:
             self.runner.graphs = DecodeGraphs(self.model, self.attention, kv_caches, self.graph_runner,
                                               self.max_graph_batch, self.max_model_len, self.device,
                                               self.backend.pin_memory())
+            self.runner.graphs.last_stage = self.parallel.is_last_stage
             with torch.inference_mode():
                 self.runner.graphs.capture()
         self.requests: dict[str, Request] = {}
@@ -202,6 +208,10 @@ class LLMEngine:
         # Never more than the configured limits can use: max_num_seqs sequences of max_model_len.
         useful = config.max_num_seqs * -(-self.max_model_len // block_size)
         num_blocks = min(budget // per_block, useful)
+        if self.parallel.control is not None:  # ranks schedule alike only with as many blocks each
+            agreed = torch.tensor([num_blocks], dtype=torch.int64)
+            torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN, group=self.parallel.control)
+            num_blocks = int(agreed)
         if num_blocks < 1:
             raise ChituError(f"the KV cache budget of {budget} bytes is less than one KV block ({per_block} bytes); "
                              "give it more with kv_cache_memory or gpu_memory_utilization")

@@ -11,7 +11,8 @@ step N's copy, perhaps still queued, has yet to read (the engine waits for step
 N before it launches step N+2). Rows past B are padding: slot -1 (the
 cache write skips it) and sequence length 1 (attention reads one real key), so
 their outputs are finite and ignored. The graph ends with the logits of all its
-rows; sampling runs eagerly on the first B.
+rows; sampling runs eagerly on the first B. On an earlier pipeline stage the graph receives its
+input from the previous stage and ends by sending its output on (the layers' own send and receive).
 """
 
 import logging
@@ -61,6 +62,7 @@ class DecodeGraphs:
         self._turn = 0
         self._tables_key = None
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self.last_stage = True  # False on an earlier pipeline stage: the graph ends with what it sent on
 
     def capture(self) -> None:
         """Capture every bucket, largest first (so that the smaller ones fit in its memory)."""
@@ -83,7 +85,7 @@ class DecodeGraphs:
             seq_lens[:size].copy_(packed[SEQ_LENS, :size])
             torch.sub(packed[SEQ_LENS, :size], 1, out=context_lens[:size])
             hidden = self.model(packed[IDS, :size], packed[POSITIONS, :size], step)
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden) if self.last_stage else hidden
 
         return fn
 

@@ -68,6 +68,7 @@ class ModelRunner:
         self.last_forward_seconds = 0.0
         self.graphs: DecodeGraphs | None = None  # set by the engine where the backend captures graphs
         self.constraints: Constraints | None = None  # set by the engine with its first structured-output request
+        self.parallel = None  # set by the engine under pipeline parallelism: only the last stage samples
 
     def graph_size(self, batch: ScheduledBatch) -> int | None:
         """The captured batch size this step replays, or None to run it eagerly: graphs serve
@@ -133,7 +134,7 @@ class ModelRunner:
             ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
             sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens + ahead]
             logits = None
-            if sampling:
+            if sampling and self.samples_here:
                 last_rows = torch.tensor(batch.num_new_tokens).cumsum(0)[sampling] - 1
                 logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
         if self.synchronize is not None:
@@ -142,6 +143,8 @@ class ModelRunner:
         if not sampling:
             return PendingStep(batch, [], [], 0, None, None, None)
         seqs = [batch.seqs[i] for i in sampling]
+        if not self.samples_here:
+            return self._receive_sampled(batch, sampling, seqs)
         sbatch = SamplingBatch.build(
             [s.params for s in seqs],
             [s.seed for s in seqs],
@@ -161,9 +164,27 @@ class ModelRunner:
         else:
             packed = torch.cat([out.tokens.double()[:, None], out.logprobs.double()[:, None], out.top_ids.double(),
                                 out.top_logprobs.double()], dim=1)
+        if self.parallel is not None and self.parallel.pp_size > 1:  # every stage's scheduler needs them
+            self.parallel.world.broadcast(packed, self.parallel.sampler_rank)
         host = packed.to("cpu", non_blocking=True)  # lands in page-locked memory where the copy is asynchronous
         return PendingStep(batch, sampling, [s.params.logprobs for s in seqs], sbatch.max_logprobs or 0,
                            out.tokens, host, self.new_event())
+
+    @property
+    def samples_here(self) -> bool:
+        """Whether this rank computes logits and samples: every rank but those of earlier pipeline stages."""
+        return self.parallel is None or self.parallel.is_last_stage
+
+    def _receive_sampled(self, batch: ScheduledBatch, sampling: list[int], seqs) -> PendingStep:
+        """On an earlier pipeline stage: the last stage's sampled rows (as it packs them), by broadcast."""
+        wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        k = max(wanted) if wanted else None
+        shape, dtype = ((len(seqs), 1), torch.int64) if k is None else ((len(seqs), 2 + 2 * k), torch.float64)
+        packed = torch.empty(shape, dtype=dtype, device=self.device)
+        self.parallel.world.broadcast(packed, self.parallel.sampler_rank)
+        tokens = packed[:, 0] if k is None else packed[:, 0].long()
+        host = packed.to("cpu", non_blocking=True)
+        return PendingStep(batch, sampling, [s.params.logprobs for s in seqs], k or 0, tokens, host, self.new_event())
 
     def _banned(self, seq, ahead: int = 0) -> list[int]:
         """Tokens that may not be sampled yet: EOS and stop tokens before min_tokens are out."""

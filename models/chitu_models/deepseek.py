@@ -27,7 +27,6 @@ from torch import nn
 from chitu_core.layers import (
     BuildContext,
     FusedMoE,
-    LMHead,
     MultiHeadLatentAttention,
     Router,
     RotaryEmbedding,
@@ -35,6 +34,7 @@ from chitu_core.layers import (
     rope_config,
 )
 from chitu_core.layers.rotary import RopeConfig, yarn_mscale
+from chitu_core.layers.stage import build_lm_head
 from chitu_core.model import CausalLM, KVGeometry
 from chitu_models.llama import DecoderLayer, DecoderMLP, DecoderModel
 from chitu_models.mixtral import EXPERT_ACTIVATIONS
@@ -95,9 +95,7 @@ class DeepseekV2ForCausalLM(CausalLM):
             return DecoderLayer(config, MultiHeadLatentAttention(config, i, rotary, scale, ctx), mlp, ctx)
 
         self.model = DecoderModel(config, ctx, rotary, layer)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, ctx)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.tie(self.model.embed_tokens)
+        self.lm_head = build_lm_head(config, ctx, self.model.embed_tokens)
 
     @classmethod
     def routing(cls, config) -> dict:

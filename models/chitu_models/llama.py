@@ -15,7 +15,6 @@ from chitu_core.errors import ModelLoadError
 from chitu_core.layers import (
     Attention,
     BuildContext,
-    LMHead,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RMSNorm,
@@ -25,6 +24,7 @@ from chitu_core.layers import (
     VocabEmbedding,
     rope_config,
 )
+from chitu_core.layers.stage import Absent, StageEdge, build_lm_head, stage_layers
 from chitu_core.model import CausalLM, KVGeometry
 
 ACTIVATIONS = {"silu": "silu_and_mul", "gelu": "gelu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}
@@ -120,15 +120,27 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config, ctx: BuildContext, rotary: RotaryEmbedding, build_layer: Callable[[int], DecoderLayer]):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.edge = StageEdge(ctx, config.hidden_size)
+        self.local = stage_layers(config.num_hidden_layers, ctx.pp_size, ctx.pp_rank)
+        # The last stage keeps the table too where its head is tied to it.
+        tied = self.edge.last and getattr(config, "tie_word_embeddings", False)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx) if self.edge.first or tied else Absent()
         self.rotary = rotary
-        self.layers = nn.ModuleList(build_layer(i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.layers = nn.ModuleList(build_layer(i) if i in self.local else Absent() for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if self.edge.last else Absent()
 
     def forward(self, token_ids, positions, step):
-        hidden, residual = self.embed_tokens(token_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, step)
+        """[T, H]: the final hidden states on the last pipeline stage; on the others, what this stage
+        sent on (the next stage's input)."""
+        if self.edge.first:
+            hidden, residual = self.embed_tokens(token_ids), None
+        else:
+            hidden, residual = self.edge.receive(token_ids.shape[0])
+        for i in self.local:
+            hidden, residual = self.layers[i](positions, hidden, residual, step)
+        if not self.edge.last:
+            self.edge.send(hidden, residual)
+            return hidden
         return self.norm(hidden, residual)[0]
 
 
@@ -150,9 +162,7 @@ class LlamaForCausalLM(CausalLM):
         opts = self.attention_options(config)
         self.model = DecoderModel(config, ctx, rotary, lambda i: self.decoder_layer(
             config, DecoderAttention(config, i, rotary, ctx, **opts), self.build_mlp(config, i, ctx), ctx))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, ctx)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.tie(self.model.embed_tokens)
+        self.lm_head = build_lm_head(config, ctx, self.model.embed_tokens)
 
     @classmethod
     def build_rotary(cls, config, ctx: BuildContext) -> RotaryEmbedding:
