@@ -149,7 +149,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
         profile_steps=args.profile, max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 1),
         num_threads=args.threads, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
     )
     engine = llm.engine
     B, I, O = args.batch_size, args.input_len, args.output_len
@@ -310,6 +310,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="ranks a pipeline stage (under torchrun; default: the world over the stages)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (under torchrun)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE: each tensor-parallel rank holds whole routed experts (1/tp of them)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(run=main)
 

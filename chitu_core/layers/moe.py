@@ -107,7 +107,11 @@ class FusedMoE(nn.Module):
     and ``w2_scale``), each marked with how one expert's slice splits (``quantization.params``).
     Tensor parallelism splits every expert's intermediate dimension: rank r holds gate and up rows
     [r*I_local, (r+1)*I_local) and the same columns of down; its partial outputs are summed over
-    ranks. Every expert lives on every rank; the router is replicated (see ``Router``).
+    ranks. Every expert lives on every rank; the router is replicated (see ``Router``). With expert
+    parallelism (``ctx.expert_parallel``) rank r instead holds E/tp whole experts, [r*E/tp, (r+1)*E/tp)
+    (``first_expert``, ``local_experts``): the tokens are on every rank already (attention is
+    tensor-parallel), so routing to another rank's expert is a -1 slot here, and the same all-reduce
+    sums the ranks' outputs.
     Loading: shard ids are ``ExpertShard(e, "gate" | "up")`` for the ``w13`` family of parameters and
     ``ExpertShard(e, "down")`` for the ``w2`` family, and each must be loaded once (``load_into`` checks it).
     Each loader has the two halves ``set_loader`` describes: ``local_part`` cuts this rank's share out
@@ -125,15 +129,21 @@ class FusedMoE(nn.Module):
         self.ops, self.comm = ctx.ops, ctx.comm
         self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
         self.num_experts, self.hidden_size = num_experts, hidden_size
-        self.local_inter = _divide(intermediate_size, ctx.tp_size, "moe intermediate_size")
+        # Expert parallelism: rank r holds whole experts [r*E_local, (r+1)*E_local); else a slice of every one.
+        self.expert_parallel = ctx.expert_parallel and ctx.tp_size > 1
+        self.split, self.split_rank = (1, 0) if self.expert_parallel else (ctx.tp_size, ctx.tp_rank)
+        self.local_experts = _divide(num_experts, ctx.tp_size, "number of routed experts") if self.expert_parallel \
+            else num_experts
+        self.first_expert = ctx.tp_rank * self.local_experts if self.expert_parallel else 0
+        self.local_inter = _divide(intermediate_size, self.split, "moe intermediate_size")
         self.route_args = dict(top_k=top_k, scoring=scoring, renormalize=renormalize, num_groups=num_groups,
                                topk_groups=topk_groups, group_score=group_score, scaling=scaling)
         self.activation = activation
         # Not ``quant``: the model's own pass over ``module.quant`` is for linear layers.
         self.quant_method = expert_method(ctx)
-        self.quant_method.create_expert_weights(self, num_experts, hidden_size, self.local_inter, ctx.dtype,
+        self.quant_method.create_expert_weights(self, self.local_experts, hidden_size, self.local_inter, ctx.dtype,
                                                 ctx.device)
-        experts = range(num_experts)
+        experts = range(self.first_expert, self.first_expert + self.local_experts)
         for name, param in self.named_parameters(recurse=False):
             parts = ("down",) if name.startswith("w2") else ("gate", "up")
             set_loader(param, self.load_expert, tuple(ExpertShard(e, p) for e in experts for p in parts),
@@ -147,8 +157,14 @@ class FusedMoE(nn.Module):
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard) -> None:
         """Copy this rank's share of one expert's whole checkpoint tensor into its slice of a ``w13``-
-        or ``w2``-family parameter."""
-        self.load_local(param, self.local_part(param, loaded, shard_id), shard_id)
+        or ``w2``-family parameter (nothing for an expert another rank holds, under expert parallelism)."""
+        self._expert_part(shard_id)  # range check
+        if self.holds(shard_id.expert):
+            self.load_local(param, self.local_part(param, loaded, shard_id), shard_id)
+
+    def holds(self, expert: int) -> bool:
+        """Whether this rank holds (a share of) routed expert ``expert``."""
+        return self.first_expert <= expert < self.first_expert + self.local_experts
 
     def local_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard) -> torch.Tensor:
         """This rank's share of one expert's whole gate, up ([I, H] as a weight) or down ([H, I])
@@ -161,9 +177,9 @@ class FusedMoE(nn.Module):
         dim, n = getattr(param, f"{along}_dim", None), self.local_inter
         shape = list(param.shape[1:])
         if dim is not None:
-            shape[dim] = ceil(n * self.tp_size / getattr(param, f"{along}_pack", 1))
+            shape[dim] = ceil(n * self.split / getattr(param, f"{along}_pack", 1))
         check_shape(loaded.shape, tuple(shape), what)
-        span = stored_span(param, self.tp_rank * n, n, along, what)
+        span = stored_span(param, self.split_rank * n, n, along, what)
         return loaded if span is None else loaded.narrow(dim, *span)
 
     def load_local(self, param: nn.Parameter, local: torch.Tensor, shard_id: ExpertShard) -> None:
@@ -173,7 +189,9 @@ class FusedMoE(nn.Module):
         expert, part = shard_id
         n = self.local_inter
         dst = None if part == "down" else stored_span(param, 0 if part == "gate" else n, n, along, what)
-        copy_span(param.data[expert], per_tensor_value(param, local), getattr(param, f"{along}_dim", None), dst,
+        if not self.holds(expert):
+            return
+        copy_span(param.data[expert - self.first_expert], per_tensor_value(param, local), getattr(param, f"{along}_dim", None), dst,
                   None, what)
 
     def _expert_part(self, shard_id: ExpertShard) -> tuple[str, str]:
@@ -188,6 +206,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.ops.moe_route(router_logits, correction_bias=self.e_score_correction_bias, **self.route_args)
+        if self.expert_parallel:  # slots routed to another rank's experts: -1, which the op skips
+            ids = ids - self.first_expert
+            ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
         out = self.quant_method.apply_experts(self, x, weights, ids, self.activation, self.ops)
         return self.comm.all_reduce(out) if self.tp_size > 1 else out
 
