@@ -118,6 +118,12 @@ class Backend(ABC):
         """The torch.distributed backend its communicator runs on ("gloo", ...)."""
         return "gloo"
 
+    def fast_all_reduce(self, comm) -> "FastAllReduce | None":
+        """Contract 1.4: an all-reduce for small messages over ``comm``'s ranks (a
+        ``chitu_core.distributed.communicator.FastAllReduce``), or None (the default) to send every
+        all-reduce through the process group. Called once per group, on every rank of it together."""
+        return None
+
     def quant_methods(self) -> frozenset[str]:
         """Names of the quantization methods (see ``chitu_core.quantization``) it can run."""
         return frozenset({"unquantized"})

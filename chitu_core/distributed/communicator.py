@@ -8,11 +8,24 @@ process group is created.
 """
 
 import os
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 Tensor = torch.Tensor
+
+
+class FastAllReduce(Protocol):
+    """A backend's all-reduce for small messages (contract 1.4, ``Backend.fast_all_reduce``): e.g. one
+    shot over buffers every rank of the group maps. Made once per group at start (its buffers are
+    allocated then, never per call), so it may run inside captured graphs."""
+
+    max_bytes: int  # the Communicator sends larger messages, and other dtypes, through the process group
+    dtypes: frozenset[torch.dtype]
+
+    def __call__(self, x: Tensor) -> None:
+        """Sum the contiguous ``x`` over the group's ranks, in place."""
 
 
 class Communicator:
@@ -24,6 +37,13 @@ class Communicator:
         (default: 0..world_size-1, the whole world). ``send``/``recv`` take group indices."""
         self.group, self.world_size, self.rank = group, world_size, rank
         self.ranks = ranks if ranks is not None else list(range(world_size))
+        self.fast: FastAllReduce | None = None  # set by use_fast_all_reduce
+
+    def use_fast_all_reduce(self, backend) -> None:
+        """Take the backend's small-message all-reduce for this group, where it offers one (a
+        collective: every rank of the group calls it at the same point)."""
+        if self.world_size > 1:
+            self.fast = backend.fast_all_reduce(self)
 
     @classmethod
     def single(cls) -> "Communicator":
@@ -42,7 +62,12 @@ class Communicator:
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum of x over ranks, in place; returns x. x may be a non-contiguous view."""
-        if self.world_size > 1:
+        if self.world_size == 1:
+            return x
+        fast = self.fast
+        if fast is not None and x.is_contiguous() and x.dtype in fast.dtypes and x.numel() * x.element_size() <= fast.max_bytes:
+            fast(x)
+        else:
             self._in_place(x, lambda buf: dist.all_reduce(buf, group=self.group))
         return x
 

@@ -112,6 +112,7 @@ class LLMEngine:
         self.parallel = Parallel.from_env(self.backend.process_group_backend(), config.tensor_parallel_size,
                                           config.pipeline_parallel_size)
         self.comm = self.parallel.tp
+        self.comm.use_fast_all_reduce(self.backend)
         if config.load_format == "auto":  # a directory pre-sharded by convert --tp: this rank's files
             model_dir = model_dir.for_rank(self.comm.rank, self.comm.world_size)
 

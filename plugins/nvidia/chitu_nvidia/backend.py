@@ -26,7 +26,7 @@ def _triton_installed() -> bool:
 class NvidiaBackend(Backend):
     name = "nvidia"
     device_type = "cuda"
-    contract_version = "1.3"
+    contract_version = "1.4"
     priority = 100
 
     def is_available(self) -> Availability:
@@ -80,6 +80,11 @@ class NvidiaBackend(Backend):
 
     def process_group_backend(self) -> str:
         return "nccl"
+
+    def fast_all_reduce(self, comm):
+        from chitu_nvidia.fast_all_reduce import fast_all_reduce
+
+        return fast_all_reduce(comm, torch.device("cuda", torch.cuda.current_device()))
 
     def quant_methods(self) -> frozenset[str]:
         if not _triton_installed():

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 plugins/nvidia/scripts/tp_check.py /tmp/tiny
 
 Rank 0 prints one line: the world size, its device, whether decode ran through graphs, the tokens.
+CHITU_PIPELINE_PARALLEL_SIZE / CHITU_ENABLE_EXPERT_PARALLEL select the layout; CHECK_DEVICE=cpu runs it here.
 """
 
 import json
@@ -13,7 +14,7 @@ import sys
 
 from chitu_core import LLM, SamplingParams
 
-llm = LLM(sys.argv[1], device="nvidia", dtype="float32", load_progress=False)
+llm = LLM(sys.argv[1], device=os.environ.get("CHECK_DEVICE", "nvidia"), dtype="float32", load_progress=False)
 prompts = [{"prompt_token_ids": [(7 * i + 3) % 500 + 1 for i in range(n)]} for n in (5, 17, 40)]
 outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
 if os.environ.get("RANK", "0") == "0":

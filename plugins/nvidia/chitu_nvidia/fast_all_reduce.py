@@ -1,0 +1,50 @@
+"""The small-message all-reduce (contract 1.4) over torch's symmetric memory: every rank of the group
+maps one buffer per dtype of every other rank's (NVLink peer access), and a one-shot kernel reads all
+of them and writes the sum, fenced by the group's signal pads. No NVLink multicast is used.
+
+Measured with ``scripts/allreduce_bench.py``; messages above ``max_bytes`` go through NCCL.
+"""
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_BYTES = int(os.environ.get("CHITU_FAST_ALL_REDUCE_MAX_BYTES", str(512 << 10)))
+
+
+class SymmetricMemoryAllReduce:
+    """One-shot all-reduce of messages up to ``max_bytes`` through buffers made once per dtype."""
+
+    def __init__(self, comm, device: torch.device, max_bytes: int = MAX_BYTES):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = comm.group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # required by torch <= 2.11 before a rendezvous, a no-op later
+            enable(self.group_name)
+        self.max_bytes, self.dtypes = max_bytes, frozenset(DTYPES)
+        self.buffers = {}
+        for dtype in DTYPES:
+            buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+            symm_mem.rendezvous(buf, self.group_name)
+            self.buffers[dtype] = buf
+
+    def __call__(self, x: torch.Tensor) -> None:
+        flat = x.view(-1)
+        buf = self.buffers[x.dtype][: flat.numel()]
+        flat.copy_(torch.ops.symm_mem.one_shot_all_reduce_copy(buf, flat, "sum", self.group_name))
+
+
+def fast_all_reduce(comm, device: torch.device):
+    """The group's SymmetricMemoryAllReduce, or None (one log line) where it cannot be made."""
+    if os.environ.get("CHITU_FAST_ALL_REDUCE", "1") == "0":
+        return None
+    try:
+        return SymmetricMemoryAllReduce(comm, device)
+    except Exception as exc:  # no peer access, an old torch, a group that is not NCCL's
+        log.info("the small-message all-reduce is off (%s: %s); NCCL takes every all-reduce", type(exc).__name__, exc)
+        return None
