@@ -59,8 +59,16 @@ class CausalLM(nn.Module):
         """The attention shape of this config on one of ``tp_size`` ranks."""
 
     @abstractmethod
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """token_ids, positions: int64 [T] (the step's packed tokens) -> hidden states [T, H]."""
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids, positions: int64 [T] (the step's packed tokens) -> hidden states [T, H].
+
+        Under pipeline parallelism (``BuildContext.pp_size`` > 1) a stage runs its own layers only
+        (``chitu_core.layers.stage``): every stage but the first takes ``intermediate``, the previous
+        stage's output, instead of embedding ``token_ids``, and every stage but the last returns
+        what the next one takes: hidden states and residual stream stacked, [2, T, H]. The engine
+        carries it between stages; the model never communicates across stages itself. A model class
+        that is never split may keep the three-argument form."""
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -201,3 +201,22 @@ def test_a_slow_consumer_gets_merged_deltas(model_path):
     assert len(deltas) < 40 and any(len(d.outputs[0].token_ids) > 1 for d in deltas)
     assert sum((d.outputs[0].token_ids for d in deltas), []) == want.token_ids
     assert "".join(d.outputs[0].text for d in deltas) == want.text and deltas[-1].finished
+
+
+def test_engine_process_runs_dummy_weights_from_config_json_alone(model_path, tmp_path):
+    """load_format="dummy": the server's side reads the tokenizer from a directory without weights."""
+    import shutil
+
+    for f in model_path.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+
+    async def main():
+        llm = AsyncLLM(config(tmp_path).model_copy(update={"load_format": "dummy"}), process=True)
+        try:
+            deltas = await collect(llm, [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+            return sum((d.outputs[0].token_ids for d in deltas), [])
+        finally:
+            await llm.shutdown()
+
+    assert len(asyncio.run(main())) == 4

@@ -42,9 +42,9 @@ def weight_bytes_read(model) -> int:
     seen, total = set(), 0
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    skip = None
-    if embed is not None and (lm_head is None or lm_head.weight is not embed.weight):
-        skip = embed.weight
+    # On a pipeline stage either may be absent (a parameter-less stand-in).
+    head, table = getattr(lm_head, "weight", None), getattr(embed, "weight", None)
+    skip = table if table is not None and head is not table else None
     for p in model.parameters():
         if p is skip or id(p) in seen:
             continue

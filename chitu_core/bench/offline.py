@@ -87,7 +87,8 @@ def _floor(engine, batch: int, input_len: int, output_len: int, routed_bytes: fl
     if routed_bytes is not None:
         weights = weights - all_expert_bytes + round(routed_bytes)
         moe = {"expert_bytes_all": all_expert_bytes, "expert_bytes_routed_mean": round(routed_bytes)}
-    per_token = engine.attention.bytes_per_block() * len(engine.runner.kv_caches) // engine.attention.block_size
+    cached_layers = sum(c.numel() > 0 for c in engine.runner.kv_caches)  # a pipeline stage's own layers
+    per_token = engine.attention.bytes_per_block() * cached_layers // engine.attention.block_size
     kv = decode_kv_bytes(per_token, batch, input_len, output_len)
     step_s = (weights + kv) / bandwidth
     return {"copy_gbps": round(bandwidth / 1e9, 1), "weight_bytes": weights, "kv_bytes_mean": round(kv), **moe,

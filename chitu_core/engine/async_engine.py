@@ -121,7 +121,8 @@ class AsyncLLM:
         from chitu_core.plugins.discovery import get_backend
 
         keep_gguf = "gguf" in get_backend(config.device).quant_methods()  # the directory the engine process made
-        self.tokenizer = open_model_dir(resolve_model(config.model, keep_quantized=keep_gguf)).tokenizer()  # for the server's side
+        model_dir = open_model_dir(resolve_model(config.model, keep_quantized=keep_gguf), require_weights=config.load_format == "auto")
+        self.tokenizer = model_dir.tokenizer()  # for the server's side
         self._thread = threading.Thread(target=self._read_outputs, name="chitu-engine-reader", daemon=True)
         self._thread.start()
 

@@ -18,6 +18,7 @@ from chitu_core.attention.mla import ReferenceMLAAttention
 from chitu_core.attention.reference import ReferenceAttention
 from chitu_core.config import EngineConfig
 from chitu_core.distributed.parallel import Parallel
+from chitu_core.distributed.pipeline import StageLink
 from chitu_core.engine.block_manager import BlockManager
 from chitu_core.engine.detokenizer import IncrementalDetokenizer
 from chitu_core.engine.graphs import DecodeGraphs
@@ -145,6 +146,8 @@ class LLMEngine:
         self.graph_runner = None if config.enforce_eager else self.backend.graph_runner()
         self.max_graph_batch = min(config.max_num_seqs, config.max_graph_batch_size)
         # A pipeline stage caches its own layers only; the others' entries stay empty.
+        self.link = StageLink(self.parallel, hf_config.hidden_size, self.dtype, self.device) if self.parallel.pp_size > 1 else None
+        self.num_layers = geometry.num_layers
         local = stage_layers(geometry.num_layers, self.parallel.pp_size, self.parallel.pp_rank)
         num_blocks = self._num_blocks(len(local), block_size)
         kv_caches = [self.attention.allocate_kv_cache(num_blocks) if i in local else torch.empty(0, device=self.device)
@@ -157,12 +160,11 @@ class LLMEngine:
         sync = (lambda: self.backend.synchronize(self.device_index)) if config.profile_steps else None
         self.runner = ModelRunner(self.model, self.attention, kv_caches, Sampler(self.ops), self.device,
                                   self.vocab_size, self.eos_token_ids, sync, self.backend.completion_event)
-        self.runner.parallel = self.parallel
+        self.runner.parallel, self.runner.link = self.parallel, self.link
         if self.graph_runner is not None:
             self.runner.graphs = DecodeGraphs(self.model, self.attention, kv_caches, self.graph_runner,
                                               self.max_graph_batch, self.max_model_len, self.device,
-                                              self.backend.pin_memory())
-            self.runner.graphs.last_stage = self.parallel.is_last_stage
+                                              self.backend.pin_memory(), self.link)
             with torch.inference_mode():
                 self.runner.graphs.capture()
         self.requests: dict[str, Request] = {}
@@ -175,7 +177,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         log.info("loaded %s on %s (%s), %d KV blocks of %d tokens", model_dir.architecture, self.backend.name, self.dtype, num_blocks, block_size)
 
-    def _kv_budget(self, num_layers: int) -> int:
+    def _kv_budget(self) -> int:
         """Bytes for the KV cache: kv_cache_memory if set; else, with gpu_memory_utilization, that share
         of the device less a profiled largest step and the graphs' reserve; else the backend's budget."""
         config = self.config
@@ -183,8 +185,8 @@ class LLMEngine:
             return config.kv_cache_memory
         if config.gpu_memory_utilization is None:
             return self.backend.kv_cache_budget(self.device_index)
-        step = lambda: largest_step(self.model, self.attention, num_layers, config.max_num_batched_tokens,  # noqa: E731
-                                    self.max_model_len, config.max_num_seqs, self.device)
+        step = lambda: largest_step(self.model, self.attention, self.num_layers, config.max_num_batched_tokens,  # noqa: E731
+                                    self.max_model_len, config.max_num_seqs, self.device, self.link)
         peak = self.backend.measure_peak_memory(step, self.device_index)
         if peak is None:
             raise ChituError(f"backend {self.backend.name!r} cannot measure device memory, so gpu_memory_utilization "
@@ -203,8 +205,9 @@ class LLMEngine:
         return budget
 
     def _num_blocks(self, num_layers: int, block_size: int) -> int:
+        """KV blocks for ``num_layers`` layers (this pipeline stage's), the same on every rank."""
         config = self.config
-        budget = self._kv_budget(num_layers)
+        budget = self._kv_budget()
         per_block = self.attention.bytes_per_block() * num_layers
         # Never more than the configured limits can use: max_num_seqs sequences of max_model_len.
         useful = config.max_num_seqs * -(-self.max_model_len // block_size)

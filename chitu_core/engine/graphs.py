@@ -6,13 +6,17 @@ buffers that each step refills with two host-to-device copies from pinned
 staging memory: one packed int64 block (token ids, positions, cache slots,
 sequence lengths) and the block tables. A continuation step takes its token ids
 from the previous step's sampled tokens on the device instead. Staging memory
-alternates between two sets, so that filling step N+1's never overwrites what
-step N's copy, perhaps still queued, has yet to read (the engine waits for step
-N before it launches step N+2). Rows past B are padding: slot -1 (the
+cycles through two sets (two per micro-batch of a pipeline's step), so that filling
+step N+1's never overwrites what step N's copy, perhaps still queued, has yet to
+read (the engine waits for step N before it launches step N+2). Rows past B are padding: slot -1 (the
 cache write skips it) and sequence length 1 (attention reads one real key), so
 their outputs are finite and ignored. The graph ends with the logits of all its
-rows; sampling runs eagerly on the first B. On an earlier pipeline stage the graph receives its
-input from the previous stage and ends by sending its output on (the layers' own send and receive).
+rows; sampling runs eagerly on the first B.
+
+Under pipeline parallelism a graph holds its stage's own computation only: a stage after the first
+reads the previous stage's output from one more static buffer (the runner receives it and ``run``
+copies it in), and a stage before the last ends with what the next stage takes, [2, size, H], which
+the runner sends. No transfer between stages is captured.
 """
 
 import logging
@@ -23,6 +27,7 @@ import torch
 
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 from chitu_core.backend import GraphRunner
+from chitu_core.distributed.pipeline import StageLink
 from chitu_core.layers.context import StepContext
 
 log = logging.getLogger(__name__)
@@ -42,7 +47,8 @@ def _pinned(shape, dtype, pin: bool) -> torch.Tensor:
 
 class DecodeGraphs:
     def __init__(self, model, attention: AttentionBackend, kv_caches: list[torch.Tensor], runner: GraphRunner,
-                 max_batch: int, max_seq_len: int, device: torch.device, pin_memory: bool):
+                 max_batch: int, max_seq_len: int, device: torch.device, pin_memory: bool,
+                 link: StageLink | None = None):
         self.model, self.attention, self.kv_caches, self.runner = model, attention, kv_caches, runner
         self.sizes = bucket_sizes(max_batch)
         self.max_seq_len, self.block_size = max_seq_len, attention.block_size
@@ -55,14 +61,18 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        self.staging = []  # two sets of (packed, tables) pinned tensors with their numpy views
-        for _ in range(2):
+        # The previous pipeline stage's output, [2, rows, H], on every stage but the first.
+        self.intermediate = None if link is None or link.first else torch.zeros(
+            (2, rows, link.hidden_size), dtype=link.dtype, device=device)
+        self.last_stage = link is None or link.last
+        # Sets of (packed, tables) pinned tensors with their numpy views, used in turn.
+        self.staging = []
+        for _ in range(2 * (1 if link is None else link.parallel.pp_size)):
             packed, tables = _pinned((4, rows), torch.int64, pin_memory), _pinned(rows * width, torch.int32, pin_memory)
             self.staging.append((packed, tables, packed.numpy(), tables.numpy()))
         self._turn = 0
         self._tables_key = None
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
-        self.last_stage = True  # False on an earlier pipeline stage: the graph ends with what it sent on
 
     def capture(self) -> None:
         """Capture every bucket, largest first (so that the smaller ones fit in its memory)."""
@@ -80,11 +90,12 @@ class DecodeGraphs:
         meta.backend_state = self.attention.prepare(meta)  # planned for the longest sequence
         step = StepContext(meta, self.kv_caches)
         packed, seq_lens, context_lens = self.packed, self.seq_lens, self.context_lens
+        received = () if self.intermediate is None else (self.intermediate[:, :size],)
 
         def fn() -> torch.Tensor:
             seq_lens[:size].copy_(packed[SEQ_LENS, :size])
             torch.sub(packed[SEQ_LENS, :size], 1, out=context_lens[:size])
-            hidden = self.model(packed[IDS, :size], packed[POSITIONS, :size], step)
+            hidden = self.model(packed[IDS, :size], packed[POSITIONS, :size], step, *received)
             return self.model.compute_logits(hidden) if self.last_stage else hidden
 
         return fn
@@ -97,13 +108,20 @@ class DecodeGraphs:
         """Forget which block tables the device holds (an eager step may have changed any)."""
         self._tables_key = None
 
-    def run(self, seqs, size: int, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode one token for each of ``seqs`` in the graph of ``size`` rows: their logits [B, V].
-        ``ids``: the input tokens on the device (a continuation); else read from the sequences."""
+    def run(self, seqs, size: int, ids: torch.Tensor | None = None, intermediate: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """Decode one token for each of ``seqs`` in the graph of ``size`` rows: their logits [B, V]
+        (before the last pipeline stage: the next stage's input, [2, B, H]). ``ids``: the input
+        tokens on the device (a continuation); else read from the sequences. ``intermediate``: the
+        previous stage's output, [2, B, H] (every stage but the first).
+
+        The result lives in the graphs' memory: the next replay may overwrite it. Several runs may
+        be queued before the first is done (micro-batches): each takes its own staging set, and
+        the device copies into the static inputs are ordered after the previous replay."""
         b, bs = len(seqs), self.block_size
         positions = [s.num_computed_tokens for s in seqs]
         host_packed, host_tables, host, host_tables_np = self.staging[self._turn]
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % len(self.staging)
         if ids is None:
             host[IDS, :b] = [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
         host[POSITIONS, :b] = positions
@@ -115,6 +133,8 @@ class DecodeGraphs:
         self.packed.copy_(host_packed, non_blocking=True)
         if ids is not None:
             self.packed[IDS, :b].copy_(ids)
+        if intermediate is not None:
+            self.intermediate[:, :b].copy_(intermediate)
         # Tables only grow (a block appended) between eager steps: copy them when one did.
         key = tuple((s.seq_id, len(s.block_table), s.block_table[-1]) for s in seqs)
         if key != self._tables_key:
@@ -127,4 +147,4 @@ class DecodeGraphs:
             landed.copy_(host_tables[: b * width], non_blocking=True)
             self.tables[:b, :width].copy_(landed.view(b, width))
             self._tables_key = key
-        return self.replays[size]()[:b]
+        return self.replays[size]().narrow(-2, 0, b)

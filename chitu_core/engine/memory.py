@@ -10,14 +10,17 @@ peak memory the process held meanwhile; the cache gets the rest of the share.
 import torch
 
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.distributed.pipeline import StageLink
 from chitu_core.layers.context import StepContext
 
 
 @torch.inference_mode()
 def largest_step(model, attention: AttentionBackend, num_layers: int, num_tokens: int, max_seq_len: int,
-                 num_rows: int, device: torch.device) -> None:
+                 num_rows: int, device: torch.device, link: StageLink | None = None) -> None:
     """One forward of ``num_tokens`` tokens in sequences of at most ``max_seq_len``, then the logits
-    of ``num_rows`` rows. Touches no real cache: every sequence reads block 0 of a stand-in."""
+    of ``num_rows`` rows. Touches no real cache: every sequence reads block 0 of a stand-in.
+    ``num_layers``: the whole model's. A pipeline stage runs its own part alone, on zeros where it
+    would receive from the previous stage; only the last computes logits."""
     lens = [max_seq_len] * (num_tokens // max_seq_len) + ([num_tokens % max_seq_len] if num_tokens % max_seq_len else [])
     bs = attention.block_size
     width = -(-max(lens) // bs)
@@ -34,7 +37,11 @@ def largest_step(model, attention: AttentionBackend, num_layers: int, num_tokens
     stand_in = attention.allocate_kv_cache(1)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
     token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    hidden = model(token_ids, positions, StepContext(meta, [stand_in] * num_layers))
+    received = () if link is None or link.first else (
+        torch.zeros((2, num_tokens, link.hidden_size), dtype=link.dtype, device=device),)
+    hidden = model(token_ids, positions, StepContext(meta, [stand_in] * num_layers), *received)
+    if link is not None and not link.last:
+        return
     rows = torch.arange(min(num_rows, num_tokens), device=device)
     model.compute_logits(hidden[rows]).float().softmax(dim=-1)  # as a sampling step upcasts them
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.distributed.parallel import Parallel
+from chitu_core.distributed.pipeline import StageLink, micro_batches
 from chitu_core.engine.graphs import DecodeGraphs
 from chitu_core.engine.scheduler import ScheduledBatch
 from chitu_core.layers.context import StepContext
@@ -68,7 +70,9 @@ class ModelRunner:
         self.last_forward_seconds = 0.0
         self.graphs: DecodeGraphs | None = None  # set by the engine where the backend captures graphs
         self.constraints: Constraints | None = None  # set by the engine with its first structured-output request
-        self.parallel = None  # set by the engine under pipeline parallelism: only the last stage samples
+        self.parallel: Parallel | None = None  # set by the engine with ``link`` under pipeline parallelism
+        self.link: StageLink | None = None  # this rank's ends of the pipeline; only the last stage samples
+        self._forward_start: float | None = None  # when this step's first forward began (profiling)
 
     def graph_size(self, batch: ScheduledBatch) -> int | None:
         """The captured batch size this step replays, or None to run it eagerly: graphs serve
@@ -119,27 +123,26 @@ class ModelRunner:
         """Queue one forward and sample. ``ids``: for a continuation, each sequence's input token on
         the device (the previous step's ``tokens``); ``ahead``: tokens each sequence has sampled that
         the host has not appended yet (they count for seeds and ``min_tokens``). A sequence with a
-        grammar is never launched ahead: its mask needs its previous token accepted."""
-        size = self.graph_size(batch)
-        if size is not None:
-            start = time.perf_counter()
-            logits = self.graphs.run(batch.seqs, size, ids)
-            sampling = list(range(len(batch.seqs)))
-        else:
-            if self.graphs is not None:
-                self.graphs.invalidate()
-            token_ids, positions, meta = self.prepare(batch, ids)
-            start = time.perf_counter()
-            hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches))
-            ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
-            sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens + ahead]
-            logits = None
-            if sampling and self.samples_here:
-                last_rows = torch.tensor(batch.num_new_tokens).cumsum(0)[sampling] - 1
-                logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
+        grammar is never launched ahead: its mask needs its previous token accepted.
+
+        Under pipeline parallelism this runs the stage's own part (a decode step as micro-batches,
+        ``chitu_core.distributed.pipeline``); the last stage samples and every rank takes its tokens."""
+        self._forward_start = None
+        pp_size = 1 if self.link is None else self.parallel.pp_size
+        decode = all(n == 1 for n in batch.num_new_tokens)
+        sampling, logits = [], []
+        for rows in micro_batches(len(batch.seqs), pp_size, decode):
+            part = batch if len(rows) == len(batch.seqs) else ScheduledBatch(
+                batch.seqs[rows.start:rows.stop], batch.num_new_tokens[rows.start:rows.stop])
+            part_sampling, part_logits = self._forward(part, None if ids is None else ids[rows.start:rows.stop], ahead)
+            sampling += [rows.start + i for i in part_sampling]
+            if part_logits is not None:
+                logits.append(part_logits)
+        if self.link is not None:
+            self.link.flush()
         if self.synchronize is not None:
             self.synchronize()
-            self.last_forward_seconds = time.perf_counter() - start
+            self.last_forward_seconds = time.perf_counter() - self._forward_start
         if not sampling:
             return PendingStep(batch, [], [], 0, None, None, None)
         seqs = [batch.seqs[i] for i in sampling]
@@ -157,23 +160,58 @@ class ModelRunner:
             ids if ahead else None,
             self.constraints.bitmask([s.seq_id for s in seqs]) if self.constraints is not None else None,
         )
-        out = self.sampler(logits, sbatch)
+        out = self.sampler(logits[0] if len(logits) == 1 else torch.cat(logits), sbatch)
         # One device-to-host copy for everything the host needs this step, not waited for here.
+        tokens = out.tokens
         if out.logprobs is None:
             packed = out.tokens[:, None]
         else:
             packed = torch.cat([out.tokens.double()[:, None], out.logprobs.double()[:, None], out.top_ids.double(),
                                 out.top_logprobs.double()], dim=1)
-        if self.parallel is not None and self.parallel.pp_size > 1:  # every stage's scheduler needs them
+        if self.link is not None:  # every stage's scheduler needs them; the sampler rank's are the truth
             self.parallel.world.broadcast(packed, self.parallel.sampler_rank)
+            tokens = packed[:, 0].long()
         host = packed.to("cpu", non_blocking=True)  # lands in page-locked memory where the copy is asynchronous
         return PendingStep(batch, sampling, [s.params.logprobs for s in seqs], sbatch.max_logprobs or 0,
-                           out.tokens, host, self.new_event())
+                           tokens, host, self.new_event())
+
+    def _forward(self, batch: ScheduledBatch, ids: torch.Tensor | None, ahead: int
+                 ) -> tuple[list[int], torch.Tensor | None]:
+        """This stage's forward of ``batch``: the rows that sample (those reaching their last token)
+        and, on the last stage, their logits. A stage after the first receives its input first; a
+        stage before the last starts sending its output on."""
+        link = self.link
+        size = self.graph_size(batch)
+        if size is not None:
+            received = None if link is None or link.first else link.receive(len(batch.seqs))
+            self._forward_start = self._forward_start or time.perf_counter()
+            out = self.graphs.run(batch.seqs, size, ids, received)
+            sampling = list(range(len(batch.seqs)))
+            if link is not None and not link.last:
+                link.send(out.clone(memory_format=torch.contiguous_format))  # the next replay reuses out
+                return sampling, None
+            return sampling, out
+        if self.graphs is not None:
+            self.graphs.invalidate()
+        token_ids, positions, meta = self.prepare(batch, ids)
+        # A model outside a pipeline may take the contract's three arguments only.
+        received = () if link is None or link.first else (link.receive(token_ids.shape[0]),)
+        self._forward_start = self._forward_start or time.perf_counter()
+        hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches), *received)
+        ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens + ahead]
+        if link is not None and not link.last:
+            link.send(hidden)
+            return sampling, None
+        if not sampling:
+            return sampling, None
+        last_rows = torch.tensor(batch.num_new_tokens).cumsum(0)[sampling] - 1
+        return sampling, self.model.compute_logits(hidden[last_rows.to(self.device)])
 
     @property
     def samples_here(self) -> bool:
         """Whether this rank computes logits and samples: every rank but those of earlier pipeline stages."""
-        return self.parallel is None or self.parallel.is_last_stage
+        return self.link is None or self.link.last
 
     def _receive_sampled(self, batch: ScheduledBatch, sampling: list[int], seqs) -> PendingStep:
         """On an earlier pipeline stage: the last stage's sampled rows (as it packs them), by broadcast."""
@@ -182,9 +220,9 @@ class ModelRunner:
         shape, dtype = ((len(seqs), 1), torch.int64) if k is None else ((len(seqs), 2 + 2 * k), torch.float64)
         packed = torch.empty(shape, dtype=dtype, device=self.device)
         self.parallel.world.broadcast(packed, self.parallel.sampler_rank)
-        tokens = packed[:, 0] if k is None else packed[:, 0].long()
         host = packed.to("cpu", non_blocking=True)
-        return PendingStep(batch, sampling, [s.params.logprobs for s in seqs], k or 0, tokens, host, self.new_event())
+        return PendingStep(batch, sampling, [s.params.logprobs for s in seqs], k or 0, packed[:, 0].long(), host,
+                           self.new_event())
 
     def _banned(self, seq, ahead: int = 0) -> list[int]:
         """Tokens that may not be sampled yet: EOS and stop tokens before min_tokens are out."""

@@ -1,5 +1,5 @@
-"""Pipeline stages inside a model: which layers this stage builds, what stands in for the others,
-and how hidden states cross from one stage to the next.
+"""Pipeline stages inside a model: which layers this stage builds and what stands in for the others
+(the engine carries hidden states between stages: ``chitu_core.distributed.pipeline``).
 
 With ``pipeline_parallel_size`` P, stage s builds the decoder layers ``stage_layers(L, P, s)``, the
 embedding only on the first stage and the final norm and LM head only on the last (with tied
@@ -8,7 +8,6 @@ embeddings the last stage holds a copy of the table for its head). Every other m
 so layer indices and checkpoint names stay those of the whole model.
 """
 
-import torch
 from torch import nn
 
 from chitu_core.errors import ChituError
@@ -36,33 +35,6 @@ class Absent(nn.Module):
 def absent_prefixes(model: nn.Module) -> tuple[str, ...]:
     """Checkpoint-name prefixes of every ``Absent`` module of ``model`` ("model.layers.7.")."""
     return tuple(name + "." for name, module in model.named_modules() if isinstance(module, Absent))
-
-
-class StageEdge:
-    """Hidden states and the residual stream between consecutive stages: sent by tensor-parallel rank
-    i of stage s to rank i of stage s+1 through the pipeline communicator (``ctx.parallel.pp``)."""
-
-    def __init__(self, ctx: BuildContext, hidden_size: int):
-        self.parallel, self.hidden_size, self.dtype, self.device = ctx.parallel, hidden_size, ctx.dtype, ctx.device
-
-    @property
-    def first(self) -> bool:
-        return self.parallel is None or self.parallel.is_first_stage
-
-    @property
-    def last(self) -> bool:
-        return self.parallel is None or self.parallel.is_last_stage
-
-    def receive(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual), each [T, H], from the previous stage."""
-        buf = torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype, device=self.device)
-        self.parallel.pp.recv(buf, self.parallel.pp_rank - 1)
-        return buf[0], buf[1]
-
-    def send(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """(hidden, residual) to the next stage; a stage that ran no residual add sends zeros for it."""
-        residual = torch.zeros_like(hidden) if residual is None else residual
-        self.parallel.pp.send(torch.stack([hidden, residual]), self.parallel.pp_rank + 1)
 
 
 def build_lm_head(config, ctx: BuildContext, embed_tokens: nn.Module) -> nn.Module:

@@ -132,8 +132,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         layer = _LAYER.match(name)
         return super().skip_weight(name) or (layer is not None and int(layer[1]) >= self.num_layers)
 
-    def forward(self, token_ids, positions, step):
-        return self.model(token_ids, positions, step)
+    def forward(self, token_ids, positions, step, intermediate=None):
+        return self.model(token_ids, positions, step, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -24,7 +24,7 @@ from chitu_core.layers import (
     VocabEmbedding,
     rope_config,
 )
-from chitu_core.layers.stage import Absent, StageEdge, build_lm_head, stage_layers
+from chitu_core.layers.stage import Absent, build_lm_head, stage_layers
 from chitu_core.model import CausalLM, KVGeometry
 
 ACTIVATIONS = {"silu": "silu_and_mul", "gelu": "gelu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}
@@ -116,31 +116,35 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """Embedding, ``config.num_hidden_layers`` layers made by ``build_layer(layer_idx)`` around one shared
-    rotary table, and the final norm."""
+    rotary table, and the final norm.
+
+    Pipeline stage s of P builds only the layers ``stage_layers(L, P, s)`` (an even split; the first
+    ``L % P`` stages take one layer more) and an ``Absent`` at every other index, so layer indices
+    and checkpoint names stay the whole model's; the embedding on the first stage only, the final
+    norm on the last (which also keeps the embedding table where the LM head is tied to it)."""
 
     def __init__(self, config, ctx: BuildContext, rotary: RotaryEmbedding, build_layer: Callable[[int], DecoderLayer]):
         super().__init__()
-        self.edge = StageEdge(ctx, config.hidden_size)
+        self.first, self.last = ctx.pp_rank == 0, ctx.pp_rank == ctx.pp_size - 1
         self.local = stage_layers(config.num_hidden_layers, ctx.pp_size, ctx.pp_rank)
-        # The last stage keeps the table too where its head is tied to it.
-        tied = self.edge.last and getattr(config, "tie_word_embeddings", False)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx) if self.edge.first or tied else Absent()
+        tied = self.last and getattr(config, "tie_word_embeddings", False)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx) if self.first or tied else Absent()
         self.rotary = rotary
         self.layers = nn.ModuleList(build_layer(i) if i in self.local else Absent() for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if self.edge.last else Absent()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if self.last else Absent()
 
-    def forward(self, token_ids, positions, step):
-        """[T, H]: the final hidden states on the last pipeline stage; on the others, what this stage
-        sent on (the next stage's input)."""
-        if self.edge.first:
+    def forward(self, token_ids, positions, step, intermediate=None):
+        """[T, H]: the final hidden states on the last pipeline stage; on the others, the next stage's
+        ``intermediate``: hidden states and residual stream stacked, [2, T, H]. ``intermediate``: the
+        previous stage's (every stage but the first)."""
+        if self.first:
             hidden, residual = self.embed_tokens(token_ids), None
         else:
-            hidden, residual = self.edge.receive(token_ids.shape[0])
+            hidden, residual = intermediate[0], intermediate[1]
         for i in self.local:
             hidden, residual = self.layers[i](positions, hidden, residual, step)
-        if not self.edge.last:
-            self.edge.send(hidden, residual)
-            return hidden
+        if not self.last:
+            return torch.stack([hidden, residual])  # a stage has a layer at least, so a residual
         return self.norm(hidden, residual)[0]
 
 
@@ -188,8 +192,8 @@ class LlamaForCausalLM(CausalLM):
     def max_model_len(cls, config) -> int:
         return rope_config(config).max_positions(config.max_position_embeddings)
 
-    def forward(self, token_ids, positions, step):
-        return self.model(token_ids, positions, step)
+    def forward(self, token_ids, positions, step, intermediate=None):
+        return self.model(token_ids, positions, step, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
