@@ -89,7 +89,8 @@ PY
            for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8391/health')" 2>/dev/null && break; sleep 1; done
            limit 240 serve-tp2 python3 -m chitu_core.bench serve --base-url http://127.0.0.1:8391 --model llama-3.1-8b \
              --concurrency 64 --num-prompts 64 --input-len 128 --output-len 256 --warmup 8 --client-procs 8 --json
-           limit 240 tp2-b64-total $TR $BENCH --model /tmp/llama-3.1-8b --batch-size 64 --tensor-parallel-size 2 ;;
+           python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print('serve', {k: v for k, v in x.items() if not isinstance(v, (list, dict))})" $R/serve-tp2.json
+           [ "${SERVE_OFFLINE:-1}" = 0 ] || limit 240 tp2-b64-total $TR $BENCH --model /tmp/llama-3.1-8b --batch-size 64 --tensor-parallel-size 2 ;;
     cpuexperts) limit 400 cpu_experts_check python3 "$ROOT/plugins/nvidia/scripts/cpu_experts_check.py" --out $R/cpu_experts.json
                 tail -12 $R/cpu_experts_check.json ;;
   esac
