@@ -85,7 +85,7 @@ PY
         limit 300 ep2-dsv2-b64 $TR $BENCH --model /tmp/deepseek-v2-lite --batch-size 64 --enable-expert-parallel ;;
     serve) model llama-3.1-8b
            $TR -m chitu_core.serve --model /tmp/llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 512 \
-             --max-num-seqs 64 --port 8391 --log-level warning > $R/serve-tp2.log 2>&1 &
+             --max-num-seqs 64 --port 8391 --log-level warning --served-model-name llama-3.1-8b > $R/serve-tp2.log 2>&1 &
            for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8391/health')" 2>/dev/null && break; sleep 1; done
            limit 240 serve-tp2 python3 -m chitu_core.bench serve --base-url http://127.0.0.1:8391 --model llama-3.1-8b \
              --concurrency 64 --num-prompts 64 --input-len 128 --output-len 256 --warmup 8 --client-procs 8 --json

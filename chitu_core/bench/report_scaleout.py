@@ -1,0 +1,53 @@
+"""The scale-out parts of a benchmark page: all-reduce latency (``allreduce_bench.py``'s JSON), the
+fp32 token checks (``scaleout.sh``'s ``tokens.json``) and each multi-rank offline run against the
+one-rank run of the same model, batch and dtype (the one whose file name ends most like its own)."""
+
+from pathlib import Path
+from typing import Any
+
+
+def allreduce_lines(r: dict[str, Any]) -> list[str]:
+    lines = [f"{r['world_size']} ranks on {r['device']}, bf16, microseconds per call (median of graph replays of 50 "
+             "calls; each size first checked against the exact sum)", "",
+             "| bytes | NCCL us | fast path us | fast path taken | both correct |", "|---|---|---|---|---|"]
+    for x in r["rows"]:
+        lines.append(f"| {x['bytes']} | {x['nccl_us']} | {x['fast_us']} | {x['fast_path']} "
+                     f"| {x['nccl_correct'] and x['fast_correct']} |")
+    return lines
+
+
+def _layout(r: dict[str, Any]) -> str:
+    ranks = r.get("floor_ranks") or []
+    tp = len({g["tp_rank"] for g in ranks}) or 1
+    pp = len({g["pp_rank"] for g in ranks}) or 1
+    return f"{len(ranks) or 1} ranks (tp {tp} x pp {pp})"
+
+
+def _suffix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def scaling_table(offline: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    singles = [(n, r) for n, r in offline if not r.get("floor_ranks")]
+    lines = ["| run | layout | model | batch | decode tok/s | one-rank run | its decode tok/s | speedup | of its floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in offline:
+        if not r.get("floor_ranks") or name.endswith("-total"):  # a "-total" run is the serve table's reference
+            continue
+        same = [(n, s) for n, s in singles if (Path(s["model"]).name, s["batch_size"], s["dtype"])
+                == (Path(r["model"]).name, r["batch_size"], r["dtype"])]
+        if not same:
+            continue
+        base_name, base = max(same, key=lambda ns: _suffix(ns[0], name))
+        speedup = r["decode_tok_per_s"] / base["decode_tok_per_s"]
+        lines.append(f"| {name} | {_layout(r)} | {Path(r['model']).name} | {r['batch_size']} | {r['decode_tok_per_s']:.1f} "
+                     f"| {base_name} | {base['decode_tok_per_s']:.1f} | {speedup:.2f}x | {100 * r['floor_fraction']:.1f}% |")
+    return lines
+
+
+def tokens_line(checks: dict[str, bool]) -> str:
+    return ("fp32 greedy tokens of `plugins/nvidia/scripts/tp_check.py` (three prompts, 24 tokens each): "
+            + ", ".join(f"{k}: {'equal' if v else 'DIFFERENT'}" for k, v in checks.items()) + ".")
