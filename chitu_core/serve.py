@@ -113,6 +113,12 @@ def load_config(argv: list[str]) -> ServeConfig:
     return ServeConfig(**{**file_values, **explicit}) if file_values else given
 
 
+def default_model_name(model: str) -> str:
+    """What clients call a model by default: a directory's name ("llama-3.1-8b"), a file's stem ("x.gguf": "x")."""
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         from chitu_core.engine.lockstep import run_follower
 
         return run_follower(engine_config)
-    name = config.served_model_name or (Path(config.model).stem if config.model else embedded_model_name())
+    name = config.served_model_name or (default_model_name(config.model) if config.model else embedded_model_name())
     llm = AsyncLLM(engine_config, process=config.engine_process)
     app = build_app(llm, [name], config.api_key, config.max_pending, config.reasoning_parser, config.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))

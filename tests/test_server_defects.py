@@ -295,3 +295,11 @@ def test_api_key_repeats(tmp_path):
     file.write_text('port = 9001\napi-key = ["c"]\n')
     config = load_config(["--config-file", str(file), "--port", "9002"])
     assert (config.port, config.api_key) == (9002, ["c"])
+
+
+def test_the_default_model_name_keeps_a_directory_name_whole():
+    from chitu_core.serve import default_model_name
+
+    assert default_model_name("/models/llama-3.1-8b") == "llama-3.1-8b"  # not "llama-3"
+    assert default_model_name("/models/Qwen2.5-7B-Instruct/") == "Qwen2.5-7B-Instruct"
+    assert default_model_name("/models/smollm2-135m.Q4_1.gguf") == "smollm2-135m.Q4_1"
