@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import uvicorn
 
 from chitu_core.config import EngineConfig
@@ -52,3 +53,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(port: int, procs, timeout: float = 120) -> None:
+    """Wait for http://127.0.0.1:port/health to answer 200, while every (subprocess, its log path) of
+    ``procs`` still runs; a process that exits, or the timeout, fails the test with that log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for proc, log in procs:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)

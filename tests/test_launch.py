@@ -15,7 +15,6 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -26,7 +25,7 @@ from chitu_core.engine.core import EngineCore
 from chitu_core.engine.engine import LLMEngine
 from chitu_core.engine.lockstep import apply
 from chitu_core.server.app import build_app
-from serving import LiveServer, cpu_engine, free_port
+from serving import LiveServer, cpu_engine, free_port, wait_healthy
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SERVE = ["-m", "chitu_core.serve", "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2"]
@@ -149,19 +148,6 @@ def launch(tmp_path: Path):
         yield runs
     finally:
         runs.kill_all()
-
-
-def wait_healthy(port: int, procs: list[tuple[subprocess.Popen, Path]], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        for proc, log in procs:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
 
 
 def chat(url: str, model: str) -> str:

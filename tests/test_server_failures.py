@@ -21,7 +21,7 @@ from chitu_core import SamplingParams
 from chitu_core.config import EngineConfig
 from chitu_core.engine.async_engine import AsyncLLM, EngineDeadError
 from chitu_core.server.app import build_app
-from serving import LiveServer, free_port
+from serving import LiveServer, free_port, wait_healthy
 
 MODEL = "tiny-chat"
 INT64_MAX = 2**63 - 1
@@ -211,15 +211,7 @@ def test_serve_exits_non_zero_when_its_engine_dies(model_path, tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(port, [(proc, log_path)])
         [engine] = engine_children(proc.pid)
         os.kill(engine, signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
