@@ -7,12 +7,17 @@ from typing import Any
 
 
 def allreduce_lines(r: dict[str, Any]) -> list[str]:
+    """The table of ``allreduce_bench.py``'s rows: bytes, then microseconds and correctness of each path it timed
+    (keys ``<path>_us`` and ``<path>_correct``: the process group's collective library, and ``fast``)."""
+    paths = [k.removesuffix("_us") for k in r["rows"][0] if k.endswith("_us")]
+    label = {p: "fast path" if p == "fast" else p.upper() for p in paths}
     lines = [f"{r['world_size']} ranks on {r['device']}, bf16, microseconds per call (median of graph replays of 50 "
              "calls; each size first checked against the exact sum)", "",
-             "| bytes | NCCL us | fast path us | fast path taken | both correct |", "|---|---|---|---|---|"]
+             "| bytes | " + " | ".join(f"{label[p]} us" for p in paths) + " | fast path taken | all correct |",
+             "|---|" + "---|" * (len(paths) + 2)]
     for x in r["rows"]:
-        lines.append(f"| {x['bytes']} | {x['nccl_us']} | {x['fast_us']} | {x['fast_path']} "
-                     f"| {x['nccl_correct'] and x['fast_correct']} |")
+        lines.append(f"| {x['bytes']} | " + " | ".join(str(x[f"{p}_us"]) for p in paths)
+                     + f" | {x['fast_path']} | {all(x[f'{p}_correct'] for p in paths)} |")
     return lines
 
 

@@ -27,7 +27,6 @@ class BuildContext:
     quant: QuantSpec = field(default_factory=QuantSpec)
     parallel: Parallel | None = None  # the pipeline and expert layout (None: one stage, comm's ranks only)
     expert_parallel: bool = False  # routed experts split whole over the tensor-parallel ranks
-    cpu_expert_layers: frozenset[int] = frozenset()  # layers whose routed experts stay in host memory
 
     @property
     def pp_rank(self) -> int:
