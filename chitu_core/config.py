@@ -61,3 +61,7 @@ class EngineConfig(BaseSettings):
     enable_expert_parallel: bool = Field(
         False, description="MoE: give each tensor-parallel rank whole routed experts (a 1/tp share of them) instead of "
         "a 1/tp slice of every expert")
+    cpu_experts: str | None = Field(
+        None, description="MoE: keep the routed experts of these layers in host memory and run them on the CPU backend "
+        "('all', or layer indices and ranges: '0-11,20'), for models whose experts do not fit on the device; "
+        "decode then runs without graphs")

@@ -29,6 +29,7 @@ from chitu_core.engine.scheduler import ScheduledBatch, Scheduler
 from chitu_core.engine.sequence import Request, Sequence
 from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext
+from chitu_core.layers.cpu_experts import cpu_experts_for
 from chitu_core.layers.layout import store_linear_weights_transposed
 from chitu_core.layers.stage import stage_layers
 from chitu_core.loader.dummy import fill_dummy_weights
@@ -123,7 +124,8 @@ class LLMEngine:
         block_size = self.attention.block_size
         self.quant = select_quantization(hf_config, config.quantization, self.backend)
         ctx = BuildContext(self.ops, self.attention, self.comm, self.dtype, self.device, self.quant, self.parallel,
-                           config.enable_expert_parallel)
+                           config.enable_expert_parallel,
+                           cpu_experts_for(config.cpu_experts, hf_config.num_hidden_layers, self.backend))
         self.model = model_cls(hf_config, ctx)
         unfused: dict[str, tuple[str, ...]] = {}
         for fused, part, _ in getattr(self.model, "stacked_params", ()):  # spelled ".qkv_proj.", ".q_proj."
@@ -143,7 +145,8 @@ class LLMEngine:
 
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
         self.vocab_size = hf_config.vocab_size
-        self.graph_runner = None if config.enforce_eager else self.backend.graph_runner()
+        # Decode graphs cannot hold the host work of CPU experts (cpu_experts_for logged that it runs eagerly).
+        self.graph_runner = None if config.enforce_eager or ctx.cpu_experts else self.backend.graph_runner()
         self.max_graph_batch = min(config.max_num_seqs, config.max_graph_batch_size)
         # A pipeline stage caches its own layers only; the others' entries stay empty.
         self.link = StageLink(self.parallel, hf_config.hidden_size, self.dtype, self.device) if self.parallel.pp_size > 1 else None

@@ -8,6 +8,7 @@ from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 from chitu_core.attention.mla import MLAAttentionBackend
 from chitu_core.distributed.communicator import Communicator
 from chitu_core.distributed.parallel import Parallel
+from chitu_core.layers.cpu_experts import CPUExperts
 from chitu_core.ops.table import Ops
 from chitu_core.quantization import QuantMethod
 from chitu_core.quantization.select import QuantSpec
@@ -27,6 +28,11 @@ class BuildContext:
     quant: QuantSpec = field(default_factory=QuantSpec)
     parallel: Parallel | None = None  # the pipeline and expert layout (None: one stage, comm's ranks only)
     expert_parallel: bool = False  # routed experts split whole over the tensor-parallel ranks
+    cpu_experts: CPUExperts | None = None  # layers whose routed experts stay in host memory, run on the CPU
+
+    @property
+    def cpu_expert_layers(self) -> frozenset[int]:
+        return self.cpu_experts.layers if self.cpu_experts is not None else frozenset()
 
     @property
     def pp_rank(self) -> int:

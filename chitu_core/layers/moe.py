@@ -10,9 +10,13 @@ Checkpoints store one tensor per expert and projection (``...experts.{e}.gate_pr
 Mixtral's ``w1``/``w3``/``w2``), quantized ones with more tensors beside it
 (``...experts.{e}.gate_proj.weight_scale_inv``). ``map_expert_weight`` turns such a name into the
 stacked parameter and an ``ExpertShard``; a model's ``CausalLM.map_weight_name`` calls it first.
+
+The routed experts of a layer that ``cpu_experts`` names stay in host memory and run on the CPU
+backend while the rest of the layer runs on the device (see chitu_core/layers/cpu_experts.py).
 """
 
 import re
+from collections.abc import Callable
 from math import ceil
 from typing import NamedTuple
 
@@ -58,13 +62,14 @@ def map_expert_weight(name: str, parts: dict[str, str] = GATE_UP_DOWN) -> tuple[
     return f"{match['prefix']}.{param}", ExpertShard(int(match["expert"]), part)
 
 
-def expert_method(ctx: BuildContext) -> QuantMethod:
+def expert_method(ctx: BuildContext, ops: Ops | None = None) -> QuantMethod:
     """The method that holds a MoE layer's experts: the model's where it can hold experts; else
     unquantized where they are left dense (in situ, or where the checkpoint's ignore list names them).
     A checkpoint that stores experts in a format whose method cannot hold them is refused, as is a
-    backend whose op table lacks a quantized method's expert op (only a table that is the reference's
-    throughout, as tools and tests build, runs it on the reference; unquantized experts fall back as
-    ``fused_experts`` always has)."""
+    backend whose op table (``ops``, default ``ctx.ops``: the table that will run the experts) lacks a
+    quantized method's expert op (only a table that is the reference's throughout, as tools and tests
+    build, runs it on the reference; unquantized experts fall back as ``fused_experts`` always has)."""
+    ops = ops or ctx.ops
     spec = ctx.quant
     dense = spec.method == "unquantized" or any(_ROUTED_EXPERTS.search(pattern) for pattern in spec.ignored)
     method = UnquantizedMethod() if dense else ctx.new_quant_method()
@@ -75,8 +80,8 @@ def expert_method(ctx: BuildContext) -> QuantMethod:
         method = UnquantizedMethod()
     if isinstance(method, UnquantizedMethod):  # fused_experts falls back to the reference since contract 1.1
         return method
-    missing = [op for op in method.expert_kernels if ctx.ops.sources[op].kind == "fallback"]
-    backend = _backend_name(ctx.ops)
+    missing = [op for op in method.expert_kernels if ops.sources[op].kind == "fallback"]
+    backend = _backend_name(ops)
     if missing and backend is not None:
         raise ModelLoadError(f"backend {backend!r} does not run {method.name} MoE experts (its op table lacks "
                              f"{', '.join(missing)}); use another device, or an unquantized checkpoint")
@@ -93,8 +98,9 @@ class FusedMoE(nn.Module):
 
     Constructor: ``FusedMoE(num_experts, hidden_size, intermediate_size, ctx, top_k, *, scoring="softmax",
     renormalize=False, num_groups=1, topk_groups=1, group_score="max", scaling=1.0,
-    correction_bias=False, activation="silu")``. The routing arguments are ``ops.moe_route``'s, one to
-    one (see chitu_core/ops/spec.py); ``intermediate_size`` is one expert's (e.g. moe_intermediate_size).
+    correction_bias=False, activation="silu", layer_idx=None)``. The routing arguments are
+    ``ops.moe_route``'s, one to one (see chitu_core/ops/spec.py); ``intermediate_size`` is one expert's
+    (e.g. moe_intermediate_size); ``layer_idx`` is the decoder layer's index, which ``cpu_experts`` names.
     With ``correction_bias`` the layer owns ``e_score_correction_bias`` (float32 [E], DeepSeek-V3's),
     replicated on every rank; a checkpoint that stores it under the router (``...gate.e_score_correction_bias``)
     maps it here in the model's ``map_weight_name``.
@@ -112,19 +118,23 @@ class FusedMoE(nn.Module):
     (``first_expert``, ``local_experts``): the tokens are on every rank already (attention is
     tensor-parallel), so routing to another rank's expert is a -1 slot here, and the same all-reduce
     sums the ranks' outputs.
+    CPU experts (``layer_idx in ctx.cpu_expert_layers``): the parameters above live in host memory
+    (``self.host`` is the ``CPUExperts``) and the quantization method runs them with the CPU backend's ops;
+    routing, the rest of the layer and its all-reduce stay on the device.
     Loading: shard ids are ``ExpertShard(e, "gate" | "up")`` for the ``w13`` family of parameters and
     ``ExpertShard(e, "down")`` for the ``w2`` family, and each must be loaded once (``load_into`` checks it).
     Each loader has the two halves ``set_loader`` describes: ``local_part`` cuts this rank's share out
     of a whole checkpoint tensor, ``load_local`` copies such a share into place, so that
     ``python -m chitu_core.convert --tp`` pre-shards experts as it does linear layers.
 
-    forward(x [T, H], router_logits [T, E]) -> [T, H] in x.dtype, summed over ranks.
+    forward(x [T, H], router_logits [T, E], shared=None) -> [T, H] in x.dtype, summed over ranks, plus
+    ``shared()`` where given: the caller's shared experts, run on the device while CPU experts compute.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: BuildContext, top_k: int, *,
                  scoring: str = "softmax", renormalize: bool = False, num_groups: int = 1, topk_groups: int = 1,
                  group_score: str = "max", scaling: float = 1.0, correction_bias: bool = False,
-                 activation: str = "silu"):
+                 activation: str = "silu", layer_idx: int | None = None):
         super().__init__()
         self.ops, self.comm = ctx.ops, ctx.comm
         self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
@@ -139,10 +149,14 @@ class FusedMoE(nn.Module):
         self.route_args = dict(top_k=top_k, scoring=scoring, renormalize=renormalize, num_groups=num_groups,
                                topk_groups=topk_groups, group_score=group_score, scaling=scaling)
         self.activation = activation
+        if ctx.cpu_experts is not None and layer_idx is None:
+            raise ModelLoadError("cpu_experts is set but the model builds its MoE layers without layer_idx, so "
+                                 "they cannot tell whether their experts belong on the CPU; pass FusedMoE(layer_idx=i)")
+        self.host = ctx.cpu_experts if layer_idx in ctx.cpu_expert_layers else None
         # Not ``quant``: the model's own pass over ``module.quant`` is for linear layers.
-        self.quant_method = expert_method(ctx)
+        self.quant_method = expert_method(ctx, self.host.ops if self.host else None)
         self.quant_method.create_expert_weights(self, self.local_experts, hidden_size, self.local_inter, ctx.dtype,
-                                                ctx.device)
+                                                torch.device("cpu") if self.host else ctx.device)
         experts = range(self.first_expert, self.first_expert + self.local_experts)
         for name, param in self.named_parameters(recurse=False):
             parts = ("down",) if name.startswith("w2") else ("gate", "up")
@@ -204,13 +218,30 @@ class FusedMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_expert_weights_after_loading(self)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         weights, ids = self.ops.moe_route(router_logits, correction_bias=self.e_score_correction_bias, **self.route_args)
         if self.expert_parallel:  # slots routed to another rank's experts: -1, which the op skips
             ids = ids - self.first_expert
             ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
-        out = self.quant_method.apply_experts(self, x, weights, ids, self.activation, self.ops)
-        return self.comm.all_reduce(out) if self.tp_size > 1 else out
+        if self.host is None:
+            out = self.quant_method.apply_experts(self, x, weights, ids, self.activation, self.ops)
+            extra = shared() if shared is not None else None
+        else:  # the copies are queued first, so that the shared experts' work queues behind them
+            host = self.host
+            inputs = host.to_host(x), host.to_host(weights), host.to_host(ids)
+            pending = host.submit(self._run_on_host, *inputs, host.completion_event())
+            extra = shared() if shared is not None else None
+            out = pending.result().to(x.device)
+        out = self.comm.all_reduce(out) if self.tp_size > 1 else out
+        return out if extra is None else out + extra
+
+    def _run_on_host(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, copied) -> torch.Tensor:
+        """The experts on the CPU backend, on the worker thread, once the copies to the host are done."""
+        if copied is not None:
+            copied.synchronize()
+        with torch.inference_mode():
+            return self.quant_method.apply_experts(self, x, weights, ids, self.activation, self.host.ops)
 
 
 class Router(nn.Module):

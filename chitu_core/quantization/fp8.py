@@ -185,7 +185,7 @@ class Fp8Method(QuantMethod):
     def create_expert_weights(self, layer, num_experts, hidden, local_inter, dtype, device):
         if self.in_situ:
             return super().create_expert_weights(layer, num_experts, hidden, local_inter, dtype, device)
-        strategy, tp = self.strategy, getattr(layer, "tp_size", 1)
+        strategy, tp = self.strategy, getattr(layer, "split", 1)  # ranks an expert's rows split over (1 under EP)
         if strategy == "block":
             bn, bk = self.block_size
             if local_inter % bn or (tp > 1 and local_inter % bk):

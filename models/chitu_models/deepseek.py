@@ -60,7 +60,7 @@ def is_moe_layer(config, layer_idx: int) -> bool:
 class DeepseekMoE(nn.Module):
     """forward(x [T, H]) -> routed experts(x) + shared experts(x), summed over ranks."""
 
-    def __init__(self, config, ctx: BuildContext, routing: dict):
+    def __init__(self, config, ctx: BuildContext, routing: dict, layer_idx: int | None = None):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in EXPERT_ACTIVATIONS:
@@ -68,13 +68,13 @@ class DeepseekMoE(nn.Module):
         experts, inter = config.n_routed_experts, config.moe_intermediate_size
         self.gate = Router(config.hidden_size, experts, ctx, logits_dtype=torch.float32)
         self.experts = FusedMoE(experts, config.hidden_size, inter, ctx, config.num_experts_per_tok,
-                                activation=EXPERT_ACTIVATIONS[act], **routing)
+                                activation=EXPERT_ACTIVATIONS[act], layer_idx=layer_idx, **routing)
         shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = DecoderMLP(config, ctx, inter * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        shared = self.shared_experts
+        return self.experts(x, self.gate(x), None if shared is None else lambda: shared(x))
 
 
 class DeepseekV2ForCausalLM(CausalLM):
@@ -91,7 +91,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         scale = softmax_scale(config, rope)
 
         def layer(i: int) -> DecoderLayer:
-            mlp = DeepseekMoE(config, ctx, routing) if is_moe_layer(config, i) else DecoderMLP(config, ctx)
+            mlp = DeepseekMoE(config, ctx, routing, i) if is_moe_layer(config, i) else DecoderMLP(config, ctx)
             return DecoderLayer(config, MultiHeadLatentAttention(config, i, rotary, scale, ctx), mlp, ctx)
 
         self.model = DecoderModel(config, ctx, rotary, layer)

@@ -23,28 +23,28 @@ class SparseMoeBlock(nn.Module):
     """
 
     def __init__(self, config, ctx: BuildContext, num_experts: int, expert_size: int, renormalize: bool,
-                 shared_expert_size: int = 0):
+                 shared_expert_size: int = 0, layer_idx: int | None = None):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in EXPERT_ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported for MoE experts; supported: {', '.join(EXPERT_ACTIVATIONS)}")
         self.gate = Router(config.hidden_size, num_experts, ctx)
         self.experts = FusedMoE(num_experts, config.hidden_size, expert_size, ctx, config.num_experts_per_tok,
-                                renormalize=renormalize, activation=EXPERT_ACTIVATIONS[act])
+                                renormalize=renormalize, activation=EXPERT_ACTIVATIONS[act], layer_idx=layer_idx)
         self.shared_expert = DecoderMLP(config, ctx, shared_expert_size) if shared_expert_size else None
         self.shared_expert_gate = Router(config.hidden_size, 1, ctx) if shared_expert_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return self.experts(x, self.gate(x))
+        return self.experts(x, self.gate(x), lambda: torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
 
 
 class MixtralForCausalLM(MistralForCausalLM):
     @classmethod
     def build_mlp(cls, config, layer_idx: int, ctx: BuildContext) -> nn.Module:
-        return SparseMoeBlock(config, ctx, config.num_local_experts, config.intermediate_size, renormalize=True)
+        return SparseMoeBlock(config, ctx, config.num_local_experts, config.intermediate_size, renormalize=True,
+                              layer_idx=layer_idx)
 
     def map_weight_name(self, name: str) -> tuple[str, object]:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the layer's MLP

@@ -27,7 +27,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         if not is_sparse(config, layer_idx):
             return DecoderMLP(config, ctx)
         return SparseMoeBlock(config, ctx, config.num_experts, config.moe_intermediate_size, config.norm_topk_prob,
-                              shared_expert_size=config.shared_expert_intermediate_size)
+                              shared_expert_size=config.shared_expert_intermediate_size, layer_idx=layer_idx)
 
     def map_weight_name(self, name: str) -> tuple[str, object]:
         return map_expert_weight(name) or super().map_weight_name(name)
@@ -38,7 +38,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def build_mlp(cls, config, layer_idx: int, ctx: BuildContext) -> nn.Module:
         if not is_sparse(config, layer_idx):
             return DecoderMLP(config, ctx)
-        return SparseMoeBlock(config, ctx, config.num_experts, config.moe_intermediate_size, config.norm_topk_prob)
+        return SparseMoeBlock(config, ctx, config.num_experts, config.moe_intermediate_size, config.norm_topk_prob,
+                              layer_idx=layer_idx)
 
     def map_weight_name(self, name: str) -> tuple[str, object]:
         return map_expert_weight(name) or super().map_weight_name(name)
