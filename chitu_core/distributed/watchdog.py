@@ -1,7 +1,7 @@
 """A thread in every rank of a torchrun world that ends the process when another rank stops.
 
 A rank that dies (killed, crashed) closes its connections, and a host-side exchange with it fails at
-once; but a rank stuck in a device collective with a dead peer (an NCCL all-reduce) never returns
+once; but a rank stuck in a device collective with a dead peer (a collective library's all-reduce) never returns
 to notice. So every PERIOD_S each rank's watchdog takes part in a round on a gloo group of its own:
 rank 0 receives a word from every other rank, then answers each. A closed connection fails a
 receive at once; a rank silent for CONTROL_TIMEOUT (hung, or its host gone) fails it by time.
