@@ -119,3 +119,44 @@ def test_in_place_collectives_hand_the_group_contiguous_tensors(monkeypatch):
     comm.all_reduce(dense)
     assert torch.equal(dense, 2 * base)
     assert seen == [("all_reduce", True), ("broadcast", True), ("all_reduce", True)]
+
+
+class OnePassBoundary:
+    """A backend's small-message all-reduce with the one-pass layer boundary (contract 1.5), standing in
+    for two ranks: the sum is the message doubled; shapes of more than four rows it declines (None)."""
+
+    max_bytes, dtypes = 1024, frozenset({torch.float32})
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, x):
+        self.calls.append(("all_reduce", tuple(x.shape)))
+        x.mul_(2)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        self.calls.append(("add_rms_norm", tuple(x.shape)))
+        if x.shape[0] > 4:
+            return None
+        from chitu_core.ops import reference
+        return reference.fused_add_rms_norm(2 * x, residual, weight, eps)
+
+
+@pytest.mark.parametrize("rows,dtype,calls", [
+    (2, torch.float32, [("add_rms_norm", (2, 8))]),  # fits: one pass
+    (5, torch.float32, [("add_rms_norm", (5, 8)), ("all_reduce", (5, 8))]),  # declined: all-reduce, then the op
+    (40, torch.float32, []),  # over max_bytes: the process group, then the op
+    (2, torch.float64, []),  # a dtype it does not take
+])
+def test_the_layer_boundary_takes_the_one_pass_path_where_it_fits(monkeypatch, rows, dtype, calls):
+    from chitu_core.ops import reference
+
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: t.mul_(2))
+    comm = Communicator(group=None, world_size=2, rank=0)
+    comm.fast = fast = OnePassBoundary()
+    x = torch.randn(rows, 8, dtype=dtype)
+    residual, weight = torch.randn(rows, 8, dtype=dtype), torch.rand(8, dtype=dtype)
+    want = reference.fused_add_rms_norm(2 * x, residual, weight, 1e-6)
+    got = comm.all_reduce_add_rms_norm(x.clone(), residual, weight, 1e-6, reference)
+    assert fast.calls == calls
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

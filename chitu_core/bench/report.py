@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from chitu_core.bench.report_scaleout import allreduce_lines, scaling_table, tokens_line
+from chitu_core.bench.report_scaleout import allreduce_lines, cpu_experts_lines, scaling_table, tokens_line
 
 
 def _fmt(x, spec: str = ".1f") -> str:
@@ -118,6 +118,9 @@ def render(directory: Path) -> str:
     if "allreduce" in loaded:
         lines += ["## All-reduce latency (`plugins/nvidia/scripts/allreduce_bench.py`)", "",
                   *allreduce_lines(loaded["allreduce"]), ""]
+    if "cpu_experts" in loaded:
+        lines += ["## MoE experts on the CPU (`plugins/nvidia/scripts/cpu_experts_check.py`)", "",
+                  *cpu_experts_lines(loaded["cpu_experts"]), ""]
     if serves:
         total = next((r for n, r in offline if n.endswith("-total")), None)
         lines += ["## Serving (`bench serve`) against offline", "", *serve_table(serves, total), ""]

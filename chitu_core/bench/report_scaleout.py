@@ -18,6 +18,34 @@ def allreduce_lines(r: dict[str, Any]) -> list[str]:
     for x in r["rows"]:
         lines.append(f"| {x['bytes']} | " + " | ".join(str(x[f"{p}_us"]) for p in paths)
                      + f" | {x['fast_path']} | {all(x[f'{p}_correct'] for p in paths)} |")
+    if r.get("boundary"):
+        lines += ["", "The layer boundary (contract 1.5: all-reduce + residual add + RMSNorm) on bf16 [rows, 4096]: the "
+                  "fast all-reduce then `fused_add_rms_norm` (composed), and the backend's one-kernel `add_rms_norm`; "
+                  "the two outputs checked bit for bit against each other.", "",
+                  "| rows | composed us | one kernel us | one kernel taken | bitwise equal |", "|---|---|---|---|---|"]
+        lines += [f"| {x['rows']} | {x['composed_us']} | {x['fused_us']} | {x['fused']} | {x['equal']} |" for x in r["boundary"]]
+    return lines
+
+
+def cpu_experts_lines(r: dict[str, Any]) -> list[str]:
+    """``cpu_experts_check.py``'s JSON: the token checks of each variant and the decode speeds."""
+    lines = []
+    for key in ("small", "big"):
+        v = r[key]
+        p = v["placement"]
+        same = sum(x["identical"] for x in v["prompts"])
+        ties = sum(bool(x.get("near_tie")) for x in v["prompts"])
+        lines.append(f"- {v['config']} {v['dtype']}, `cpu_experts={v['cpu_experts']}` ({p['layers_on_cpu']} of "
+                     f"{p['moe_layers']} MoE layers' experts on the host, {p['host_gb']} GB there): greedy tokens "
+                     f"identical to all on the device for {same} of {len(v['prompts'])} prompts"
+                     + (f", {ties} parting at a near-tie (margin < {r['near_tie']})" if ties else "")
+                     + f": {'ok' if v['ok'] else 'FAILED'}")
+    speed = r["big"]["speed"]
+    batches = list(next(iter(speed.values())))
+    lines += ["", f"Decode tok/s, {r['big']['config']} {r['big']['dtype']} on {r['device']} "
+              f"({r['big']['torch_threads']} CPU threads):", "",
+              "| run | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
+    lines += [f"| {name} | " + " | ".join(f"{v[b]:.1f}" for b in batches) + " |" for name, v in speed.items()]
     return lines
 
 

@@ -4,7 +4,10 @@ The two ranks are spawned processes that load the backend by name (as torchrun w
 and put rank r on device r mod device_count; ``supports()`` is asked with ``world_size`` and
 ``device_count`` so that a backend whose process group needs one device per rank can decline on a
 one-device machine. Every value is a small integer, exact in every dtype, so results are compared
-exactly; operands that a collective does not own must come back unchanged.
+exactly; operands that a collective does not own must come back unchanged. The layer boundary
+``all_reduce_add_rms_norm`` (contract 1.5) is held to the norm family's tolerance against the float64
+reference: its residual (the sum) is compared exactly, its norm as ``fused_add_rms_norm``'s; it is
+"native" where the backend's small-message all-reduce fuses it and the message fits.
 """
 
 import json
@@ -19,8 +22,9 @@ import torch
 
 from chitu_core.backend import Backend
 from chitu_core.conformance.case import Case, Outcome, Perf, PerfOptions, Target, time_call
-from chitu_core.conformance.compare import Verdict
-from chitu_core.conformance.thresholds import DTYPES, ThresholdBook, dtype_name
+from chitu_core.conformance.compare import Verdict, compare
+from chitu_core.conformance.thresholds import DTYPES, ThresholdBook, default, dtype_name
+from chitu_core.ops import reference
 
 WORLD = 2
 TIMEOUT_S = 180.0
@@ -36,7 +40,11 @@ VARIANTS = [
     ("broadcast", "4x6 from rank 0", (4, 6)), ("broadcast", "4x6 from rank 1", (4, 6)),
     ("broadcast", "6x4 transposed view from rank 1", (6, 4)),
     ("send_recv", "transposed view sent, received into a column", (6, 4)),
+    ("all_reduce_add_rms_norm", "1x4096 (a decode step)", (1, 4096)),
+    ("all_reduce_add_rms_norm", "64x4096 (512 KB in bf16)", (64, 4096)),
+    ("all_reduce_add_rms_norm", "3x5120", (3, 5120)), ("all_reduce_add_rms_norm", "130x4096", (130, 4096)),
 ]
+EPS = 1e-6
 
 
 def rank_values(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -47,7 +55,7 @@ def rank_values(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
     return ((torch.arange(n) % 31) - 15 + 40 * (rank + 1)).reshape(shape).to(dtype)
 
 
-def _check(comm, row: str, label: str, shape, dtype, device) -> tuple[str, object]:
+def _check(comm, ops, row: str, label: str, shape, dtype, device) -> tuple[str, object]:
     """(problem or "", the call to time) for one variant on this rank."""
     rank = comm.rank
     mine = rank_values(rank, shape, dtype).to(device)
@@ -82,6 +90,8 @@ def _check(comm, row: str, label: str, shape, dtype, device) -> tuple[str, objec
         out = comm.broadcast(x, src=src)
         ok = out is x and torch.equal(x, every[src])
         return ("" if ok else f"broadcast(src={src}): wrong result"), lambda: comm.broadcast(x, src=src)
+    if row == "all_reduce_add_rms_norm":
+        return _check_boundary(comm, ops, mine, total, dtype, device)
     if row == "send_recv":
         if rank == 0:
             comm.send(every[0].t(), dst=1)
@@ -93,12 +103,40 @@ def _check(comm, row: str, label: str, shape, dtype, device) -> tuple[str, objec
     raise ValueError(row)
 
 
+def _check_boundary(comm, ops, mine, total, dtype, device) -> tuple[str, object]:
+    """all_reduce_add_rms_norm of the ranks' x and one residual, against float64."""
+    h = mine.shape[-1]
+    residual = (torch.arange(mine.numel()).reshape(mine.shape) % 13 - 6).to(dtype).to(device)
+    weight = ((torch.arange(h) % 9 - 4) / 4).to(dtype).to(device)
+    kept = residual.clone(), weight.clone()
+    out, new_residual = comm.all_reduce_add_rms_norm(mine.clone(), residual, weight, EPS, ops)
+    if not (torch.equal(residual, kept[0]) and torch.equal(weight, kept[1])):
+        return "all_reduce_add_rms_norm modified its residual or weight operand", None
+    want_out, want_residual = reference.fused_add_rms_norm(total.double().cpu(), residual.double().cpu(),
+                                                           weight.double().cpu(), EPS)
+    for got, want, name, family in ((new_residual, want_residual, "residual", "collective"),
+                                    (out, want_out, "out", "norm")):
+        verdict = compare(got, want, default(family, dtype), name)
+        if not verdict.ok:
+            return f"all_reduce_add_rms_norm: {verdict.detail}", None
+    x = mine.clone()
+    return "", lambda: comm.all_reduce_add_rms_norm(x, residual, weight, EPS, ops)
+
+
+def _fused(comm, row: str, shape, dtype) -> bool:
+    """Whether the backend's own one-pass boundary takes this case (its source is "native")."""
+    if row != "all_reduce_add_rms_norm" or getattr(comm.fast, "add_rms_norm", None) is None:
+        return False
+    return comm._fits(torch.empty(shape, dtype=dtype, device="meta"))
+
+
 @dataclass
 class RankResult:
     key: str
     problem: str
     perf_us: float | None = None
     gbps: float | None = None
+    fused: bool = False
 
 
 def _rank_main(rank: int, port: int, backend_name: str, todo: list[tuple[str, str, str]], out_dir: str,
@@ -110,9 +148,12 @@ def _rank_main(rank: int, port: int, backend_name: str, todo: list[tuple[str, st
     from chitu_core.plugins.discovery import backend_ops, get_backend
 
     backend = get_backend(backend_name)
-    device = backend.device(rank % max(backend.device_count(), 1))
+    index = rank % max(backend.device_count(), 1)
+    backend.set_device(index)  # as the engine does: kernels launch on the rank's own device
+    device = backend.device(index)
     comm = Communicator.from_env(backend.process_group_backend())
     comm.use_fast_all_reduce(backend)  # as the engine does: small messages take the backend's own path
+    ops = backend_ops(backend)
     shapes = {(row, label): shape for row, label, shape in VARIANTS}
     results = []
     try:
@@ -120,10 +161,10 @@ def _rank_main(rank: int, port: int, backend_name: str, todo: list[tuple[str, st
             dtype = getattr(torch, dtype_str)
             key = f"{row}|{label}|{dtype_str}"
             try:
-                problem, call = _check(comm, row, label, shapes[(row, label)], dtype, device)
+                problem, call = _check(comm, ops, row, label, shapes[(row, label)], dtype, device)
             except Exception as exc:  # the backend's own failure is the case's result
                 problem, call = f"raised {type(exc).__name__}: {exc}", None
-            result = RankResult(key, problem)
+            result = RankResult(key, problem, fused=_fused(comm, row, shapes[(row, label)], dtype))
             # Time only where both ranks have a call that passed: a collective timed on one rank alone hangs.
             ready = torch.tensor([int(call is not None and not problem)], dtype=torch.int32, device=device)
             if perf is not None and int(comm.all_reduce(ready)) == WORLD:
@@ -174,7 +215,9 @@ class CollectiveBatch:
             problems = [f"rank {r}: {rows[i]['problem']}" for r, rows in enumerate(ranks) if rows[i]["problem"]]
             verdict = Verdict(False, 1.0, 0.0, "; ".join(problems)) if problems else Verdict(True, 0.0, 0.0)
             us = ranks[0][i]["perf_us"]
-            outcomes.append(Outcome(verdict, source, Perf(us, ranks[0][i]["gbps"]) if us else None))
+            # The boundary row is "native" only where the backend fuses it, else the core composes it.
+            own = "native" if ranks[0][i]["fused"] else "fallback" if cases[i].row == "all_reduce_add_rms_norm" else source
+            outcomes.append(Outcome(verdict, own, Perf(us, ranks[0][i]["gbps"]) if us else None))
         return outcomes
 
 
@@ -193,5 +236,6 @@ def collective_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
         for row, label, _ in VARIANTS:
             params = {"world_size": WORLD, "device_count": backend.device_count(),
                       "process_group_backend": backend.process_group_backend()}
-            cases.append(Case(row, row, "collective", dtype, params, label, batch=batch))
+            family = "norm" if row == "all_reduce_add_rms_norm" else "collective"
+            cases.append(Case(row, row, family, dtype, params, label, batch=batch))
     return cases

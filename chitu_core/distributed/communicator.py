@@ -27,6 +27,11 @@ class FastAllReduce(Protocol):
     def __call__(self, x: Tensor) -> None:
         """Sum the contiguous ``x`` over the group's ranks, in place."""
 
+    # Optional (contract 1.5): ``add_rms_norm(x, residual, weight, eps) -> (out, new_residual) | None``, the
+    # layer boundary in one pass: the sum of the contiguous ``x`` [T, H] over the ranks, plus ``residual``,
+    # then RMSNorm, with the roundings of ``ops.fused_add_rms_norm`` applied to the summed ``x``; returns
+    # None for a shape it does not take. Every rank must compute the same sum (ranks in a fixed order).
+
 
 class Communicator:
     """Collectives for one group of ranks. Tensors must live on this rank's device."""
@@ -64,12 +69,30 @@ class Communicator:
         """Sum of x over ranks, in place; returns x. x may be a non-contiguous view."""
         if self.world_size == 1:
             return x
-        fast = self.fast
-        if fast is not None and x.is_contiguous() and x.dtype in fast.dtypes and x.numel() * x.element_size() <= fast.max_bytes:
-            fast(x)
+        if self._fits(x):
+            self.fast(x)
         else:
             self._in_place(x, lambda buf: dist.all_reduce(buf, group=self.group))
         return x
+
+    def all_reduce_add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                ops) -> tuple[Tensor, Tensor]:
+        """Contract 1.5, the layer boundary of tensor parallelism: ``ops.fused_add_rms_norm`` of the sum of
+        ``x`` over ranks and ``residual``, i.e. (rms_norm(sum(x) + residual) * weight, sum(x) + residual).
+        In one pass where the backend's small-message all-reduce offers ``add_rms_norm``; otherwise the
+        all-reduce, then the op. ``x`` may be overwritten."""
+        fast = self.fast
+        fused = getattr(fast, "add_rms_norm", None)
+        if fused is not None and self._fits(x):
+            out = fused(x, residual, weight, eps)
+            if out is not None:
+                return out
+        return ops.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
+
+    def _fits(self, x: Tensor) -> bool:
+        fast = self.fast
+        return (fast is not None and x.is_contiguous() and x.dtype in fast.dtypes
+                and x.numel() * x.element_size() <= fast.max_bytes)
 
     @staticmethod
     def _in_place(x: Tensor, collective) -> None:

@@ -162,11 +162,14 @@ class QKVParallelLinear(_FusedColumns):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial products are summed with an all-reduce."""
+    """Input features split across ranks; partial products are summed with an all-reduce, unless
+    ``reduce`` is set False: then forward returns this rank's partial product (the bias added on rank 0
+    only) and the caller sums it, e.g. in ``Communicator.all_reduce_add_rms_norm`` at the next norm."""
 
     def __init__(self, in_features: int, out_features: int, ctx: BuildContext, bias: bool = False):
         self.local_in = _divide(in_features, ctx.tp_size, "in_features")
         super().__init__(self.local_in, out_features, bias, ctx)
+        self.reduce = True
 
     def attach_loader(self, param):
         if param is self.bias:
@@ -186,7 +189,10 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once, after the sum over ranks.
+        # The bias is added once: after the sum over ranks, or before it on rank 0 alone.
         out = self.quant.apply(self, x, None, self.ops)
-        out = self.comm.all_reduce(out)
+        if self.reduce:
+            out = self.comm.all_reduce(out)
+        elif self.tp_rank != 0:
+            return out
         return out if self.bias is None else out + self.bias

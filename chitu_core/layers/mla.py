@@ -81,6 +81,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.w_uk = w[:, : self.nope].contiguous()
         self.w_uv = w[:, self.nope :].transpose(1, 2).contiguous()
 
+    def defer_reduce(self) -> None:
+        """Return this rank's partial output, unsummed (see ``RowParallelLinear.reduce``)."""
+        self.o_proj.reduce = False
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         if self.w_uk is None:
             raise RuntimeError("MultiHeadLatentAttention ran before its process_weights_after_loading split kv_b_proj; "

@@ -127,9 +127,10 @@ class FusedMoE(nn.Module):
     of a whole checkpoint tensor, ``load_local`` copies such a share into place, so that
     ``python -m chitu_core.convert --tp`` pre-shards experts as it does linear layers.
 
-    forward(x [T, H], router_logits [T, E], shared=None) -> [T, H] in x.dtype, summed over ranks, plus
-    ``shared()`` where given: the caller's shared experts, run on the device while CPU experts compute.
-    """
+    forward(x [T, H], router_logits [T, E], shared=None) -> [T, H] in x.dtype, plus ``shared()`` where
+    given: the caller's shared experts as this rank's partial sum (their down projection unreduced, so
+    that one all-reduce sums both), run on the device while CPU experts compute. Summed over ranks
+    unless ``reduce`` is False."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: BuildContext, top_k: int, *,
                  scoring: str = "softmax", renormalize: bool = False, num_groups: int = 1, topk_groups: int = 1,
@@ -149,6 +150,7 @@ class FusedMoE(nn.Module):
         self.route_args = dict(top_k=top_k, scoring=scoring, renormalize=renormalize, num_groups=num_groups,
                                topk_groups=topk_groups, group_score=group_score, scaling=scaling)
         self.activation = activation
+        self.reduce = True  # False: forward returns this rank's partial sum (see RowParallelLinear.reduce)
         if ctx.cpu_experts is not None and layer_idx is None:
             raise ModelLoadError("cpu_experts is set but the model builds its MoE layers without layer_idx, so "
                                  "they cannot tell whether their experts belong on the CPU; pass FusedMoE(layer_idx=i)")
@@ -233,8 +235,9 @@ class FusedMoE(nn.Module):
             pending = host.submit(self._run_on_host, *inputs, host.completion_event())
             extra = shared() if shared is not None else None
             out = pending.result().to(x.device)
-        out = self.comm.all_reduce(out) if self.tp_size > 1 else out
-        return out if extra is None else out + extra
+        if extra is not None:
+            out = out + extra
+        return self.comm.all_reduce(out) if self.reduce and self.tp_size > 1 else out
 
     def _run_on_host(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, copied) -> torch.Tensor:
         """The experts on the CPU backend, on the worker thread, once the copies to the host are done."""

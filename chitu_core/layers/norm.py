@@ -14,8 +14,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
         set_loader(self.weight, default_loader)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: the normed x. With it: (normed x + residual, x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, comm=None):
+        """Without residual: the normed x. With it: (normed x + residual, x + residual). With ``comm``
+        too, x is this rank's partial sum (a sublayer whose reduction was deferred), summed over the
+        ranks first: ``Communicator.all_reduce_add_rms_norm``, in one pass where the backend can."""
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
+        if comm is not None:
+            return comm.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.ops)
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -70,7 +70,12 @@ class DeepseekMoE(nn.Module):
         self.experts = FusedMoE(experts, config.hidden_size, inter, ctx, config.num_experts_per_tok,
                                 activation=EXPERT_ACTIVATIONS[act], layer_idx=layer_idx, **routing)
         shared = getattr(config, "n_shared_experts", None) or 0
-        self.shared_experts = DecoderMLP(config, ctx, inter * shared) if shared else None
+        # Unsummed: FusedMoE adds them to its own partial output before its one all-reduce.
+        self.shared_experts = DecoderMLP(config, ctx, inter * shared).defer_reduce() if shared else None
+
+    def defer_reduce(self) -> None:
+        """Return this rank's partial output, unsummed (see ``FusedMoE.reduce``)."""
+        self.experts.reduce = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts

@@ -11,6 +11,8 @@ from chitu_models.llama import DecoderLayer, LlamaForCausalLM, head_dim, unfuse
 
 
 class SandwichDecoderLayer(DecoderLayer):
+    fuse_boundaries = False  # the post-sublayer norms take whole outputs
+
     def __init__(self, config, self_attn, mlp, ctx: BuildContext):
         super().__init__(config, self_attn, mlp, ctx)
         self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)

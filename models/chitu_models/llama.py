@@ -69,6 +69,10 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.hq, self.hk, hd, layer_idx, ctx)
 
+    def defer_reduce(self) -> None:
+        """Return this rank's partial output, unsummed (see ``RowParallelLinear.reduce``)."""
+        self.o_proj.reduce = False
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.hq * self.hd, self.hk * self.hd, self.hk * self.hd], dim=-1)
@@ -91,26 +95,53 @@ class DecoderMLP(nn.Module):
         self.act = getattr(ctx.ops, ACTIVATIONS[act])
         self.act_kwargs = {"approximate": "tanh"} if act == "gelu_pytorch_tanh" else {}
 
+    def defer_reduce(self) -> "DecoderMLP":
+        """Return this rank's partial output, unsummed (see ``RowParallelLinear.reduce``)."""
+        self.down_proj.reduce = False
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x), **self.act_kwargs))
 
 
+def defer_reduce(module: nn.Module) -> bool:
+    """Ask a sublayer to return its partial output, unsummed over ranks (its ``defer_reduce()``); False
+    where it has no such method and sums its output itself."""
+    hook = getattr(module, "defer_reduce", None)
+    if hook is None:
+        return False
+    hook()
+    return True
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer around a given attention module (regular or latent) and MLP (dense or MoE)."""
+    """Pre-norm decoder layer around a given attention module (regular or latent) and MLP (dense or MoE).
+
+    Under tensor parallelism the sublayers' outputs are summed over ranks at the norm that follows
+    them (``RMSNorm(..., comm)``: one all-reduce + add + norm), where the sublayer can defer its sum
+    (``defer_reduce``): then the MLP's output leaves the layer unsummed (``mlp_partial``) and the next
+    layer's input norm, or the model's final norm, sums it (``input_partial``, set by DecoderModel)."""
+
+    fuse_boundaries: ClassVar[bool] = True  # False where a norm takes a sublayer's whole output (GLM-4)
 
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, ctx: BuildContext):
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.comm = ctx.comm
+        fuse = self.fuse_boundaries and ctx.tp_size > 1
+        self.attn_partial = fuse and defer_reduce(self_attn)
+        self.mlp_partial = fuse and defer_reduce(mlp)
+        self.input_partial = False
 
     def forward(self, positions, hidden, residual, step):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, self.comm if self.input_partial else None)
         hidden = self.self_attn(positions, hidden, step)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, self.comm if self.attn_partial else None)
         return self.mlp(hidden), residual
 
 
@@ -132,6 +163,11 @@ class DecoderModel(nn.Module):
         self.rotary = rotary
         self.layers = nn.ModuleList(build_layer(i) if i in self.local else Absent() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if self.last else Absent()
+        self.comm, previous = ctx.comm, None
+        for i in self.local:  # each layer sums the previous one's deferred output (DecoderLayer)
+            self.layers[i].input_partial = previous is not None and previous.mlp_partial
+            previous = self.layers[i]
+        self.out_partial = previous is not None and previous.mlp_partial
 
     def forward(self, token_ids, positions, step, intermediate=None):
         """[T, H]: the final hidden states on the last pipeline stage; on the others, the next stage's
@@ -143,9 +179,12 @@ class DecoderModel(nn.Module):
             hidden, residual = intermediate[0], intermediate[1]
         for i in self.local:
             hidden, residual = self.layers[i](positions, hidden, residual, step)
+        comm = self.comm if self.out_partial else None
         if not self.last:
+            if comm is not None:
+                hidden = comm.all_reduce(hidden)
             return torch.stack([hidden, residual])  # a stage has a layer at least, so a residual
-        return self.norm(hidden, residual)[0]
+        return self.norm(hidden, residual, comm)[0]
 
 
 class LlamaForCausalLM(CausalLM):

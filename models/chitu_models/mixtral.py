@@ -31,8 +31,13 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(config.hidden_size, num_experts, ctx)
         self.experts = FusedMoE(num_experts, config.hidden_size, expert_size, ctx, config.num_experts_per_tok,
                                 renormalize=renormalize, activation=EXPERT_ACTIVATIONS[act], layer_idx=layer_idx)
-        self.shared_expert = DecoderMLP(config, ctx, shared_expert_size) if shared_expert_size else None
+        # Unsummed: FusedMoE adds it to its own partial output before its one all-reduce.
+        self.shared_expert = DecoderMLP(config, ctx, shared_expert_size).defer_reduce() if shared_expert_size else None
         self.shared_expert_gate = Router(config.hidden_size, 1, ctx) if shared_expert_size else None
+
+    def defer_reduce(self) -> None:
+        """Return this rank's partial output, unsummed (see ``FusedMoE.reduce``)."""
+        self.experts.reduce = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:

@@ -26,7 +26,7 @@ def _triton_installed() -> bool:
 class NvidiaBackend(Backend):
     name = "nvidia"
     device_type = "cuda"
-    contract_version = "1.4"
+    contract_version = "1.5"
     priority = 100
 
     def is_available(self) -> Availability:

@@ -2,7 +2,10 @@
 maps one buffer per dtype of every other rank's (NVLink peer access), and a one-shot kernel reads all
 of them and writes the sum, fenced by the group's signal pads. No NVLink multicast is used.
 
-Measured with ``scripts/allreduce_bench.py``; messages above ``max_bytes`` go through NCCL.
+Measured with ``scripts/allreduce_bench.py``; messages above ``max_bytes`` go through NCCL. The layer
+boundary (all-reduce + residual add + RMSNorm, contract 1.5) is one Triton kernel of its own over
+symmetric memory (``boundary_kernel.py``); ``CHITU_FUSED_BOUNDARY=0`` composes it from the all-reduce
+and the norm instead.
 """
 
 import logging
@@ -12,7 +15,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float32)  # torch's one-shot kernel has no float16
 MAX_BYTES = int(os.environ.get("CHITU_FAST_ALL_REDUCE_MAX_BYTES", str(512 << 10)))
 
 
@@ -32,6 +35,15 @@ class SymmetricMemoryAllReduce:
             buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, self.group_name)
             self.buffers[dtype] = buf
+        self.boundary = None
+        if os.environ.get("CHITU_FUSED_BOUNDARY", "1") != "0":
+            from chitu_nvidia.boundary_kernel import LayerBoundary
+
+            self.boundary = LayerBoundary(self.group_name, device, DTYPES, max_bytes)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        """The layer boundary in one kernel, or None (the Communicator composes it)."""
+        return None if self.boundary is None else self.boundary(x, residual, weight, eps)
 
     def __call__(self, x: torch.Tensor) -> None:
         flat = x.view(-1)

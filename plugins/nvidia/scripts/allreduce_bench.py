@@ -4,7 +4,10 @@ path (contract 1.4), as the engine calls them (``Communicator.all_reduce``, insi
     torchrun --nproc-per-node 2 plugins/nvidia/scripts/allreduce_bench.py [--out FILE.json]
 
 Each size is first checked (the sum of known values, exact in bf16), then timed as the median over
-5 replays of a graph of 50 calls. Rank 0 prints a table and writes the JSON.
+5 replays of a graph of 50 calls. Then the layer boundary (contract 1.5: all-reduce + residual add +
+RMSNorm) at a decode step's shapes, composed (the fast all-reduce, then fused_add_rms_norm) and in one
+kernel (the backend's ``add_rms_norm``): the two must agree bit for bit (two ranks: the sum of two bf16
+values is rounded once either way), and are timed alike. Rank 0 prints the tables and writes the JSON.
 """
 
 import argparse
@@ -20,21 +23,23 @@ from chitu_core.distributed import Communicator
 from chitu_core.plugins.discovery import get_backend
 
 SIZES = [8 << 10, 64 << 10, 512 << 10, 2 << 20]
+BOUNDARY_ROWS, HIDDEN = (1, 8, 64), 4096
 CALLS = 50
 
 
-def timed(comm: Communicator, x: torch.Tensor) -> float:
-    """Microseconds per all-reduce: graph replays of CALLS calls."""
+def timed(comm: Communicator, x: torch.Tensor, call=None) -> float:
+    """Microseconds per call (default: an all-reduce of x): graph replays of CALLS calls."""
+    call = call or (lambda: comm.all_reduce(x))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
-            comm.all_reduce(x)
+            call()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(CALLS):
-            comm.all_reduce(x)
+            call()
     times = []
     for _ in range(5):
         torch.cuda.synchronize()
@@ -44,6 +49,27 @@ def timed(comm: Communicator, x: torch.Tensor) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) / CALLS * 1e6)
     return statistics.median(times)
+
+
+def boundary_rows(comm: Communicator, backend, rank: int, world: int) -> list[dict]:
+    """The layer boundary composed and in one kernel, checked against each other and timed."""
+    from chitu_core.plugins.discovery import backend_ops
+
+    ops, out = backend_ops(backend), []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.rand(HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+    for rows in BOUNDARY_ROWS:
+        partial = torch.randn(world, rows, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)[rank]
+        residual = torch.randn(rows, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+        composed = ops.fused_add_rms_norm(comm.all_reduce(partial.clone()), residual, weight, 1e-5)
+        fused = comm.fast.add_rms_norm(partial.clone(), residual, weight, 1e-5) if comm.fast else None
+        row = {"rows": rows, "fused": fused is not None,
+               "equal": fused is not None and all(torch.equal(a, b) for a, b in zip(fused, composed))}
+        x = partial.clone()
+        row["composed_us"] = round(timed(comm, x, lambda: ops.fused_add_rms_norm(comm.all_reduce(x), residual, weight, 1e-5)), 2)
+        row["fused_us"] = round(timed(comm, x, lambda: comm.fast.add_rms_norm(x, residual, weight, 1e-5)), 2) if fused else None
+        out.append(row)
+    return out
 
 
 def main() -> None:
@@ -67,15 +93,22 @@ def main() -> None:
             row[f"{name}_correct"] = bool(torch.equal(x, values * sum(range(1, world + 1))))
             row[f"{name}_us"] = round(timed(comm, values.clone()), 2)
         rows.append(row)
+    boundary = boundary_rows(fast, backend, rank, world)
     if rank == 0:
         print(f"all-reduce, {world} ranks, bf16, {torch.cuda.get_device_name()}: microseconds per call (graph replay)")
         print("| bytes | NCCL us | fast path us | fast path taken | both correct |")
         print("|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['bytes']} | {r['nccl_us']} | {r['fast_us']} | {r['fast_path']} | {r['nccl_correct'] and r['fast_correct']} |")
+        print(f"\nlayer boundary (all-reduce + add + RMSNorm), bf16 [T, {HIDDEN}]: microseconds per call (graph replay)")
+        print("| rows | composed us | one kernel us | one kernel taken | bitwise equal |")
+        print("|---|---|---|---|---|")
+        for r in boundary:
+            print(f"| {r['rows']} | {r['composed_us']} | {r['fused_us']} | {r['fused']} | {r['equal']} |")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "world_size": world, "rows": rows}, f)
+                json.dump({"device": torch.cuda.get_device_name(), "world_size": world, "rows": rows,
+                           "boundary": boundary}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -22,7 +22,7 @@ if [ ! -d ~/site/pydantic ]; then
   python3 -m pip install -q --no-index --no-deps --target ~/site $(ls .whl/*.whl | grep -v setuptools)
 fi
 rm -rf ~/chitu
-PYTHONPATH=~/bt python3 -m pip install -q --no-index --no-deps --no-build-isolation --target ~/chitu . ./models ./plugins/nvidia
+PYTHONPATH=~/bt python3 -m pip install -q --no-index --no-deps --no-build-isolation --target ~/chitu . ./models ./plugins/nvidia ./plugins/cpu
 export PYTHONPATH=~/chitu:~/site
 ROOT=$(pwd)
 cd /tmp

@@ -3,7 +3,7 @@
 #   bash plugins/nvidia/scripts/scaleout.sh [steps]    # default: every step, in this order
 # Steps: allreduce (8 KB .. 2 MB latency, NCCL and the fast path), collectives (conformance rows on 2 ranks),
 # tokens (TP2 and PP2 greedy tokens against one GPU, fp32, small config), tp (Llama-3.1-8B config bf16, dummy
-# weights, in 128 / out 256, batch 1 and 64 on one GPU and on two), pp (the same, two stages, batch 64),
+# weights, in 128 / out 256, batch 1 and 64 on one GPU and on two), tp-composed (the TP2 runs with CHITU_FUSED_BOUNDARY=0), pp (the same, two stages, batch 64),
 # ep (DeepSeek-V2-Lite config, batch 64, one GPU and EP2 with TP2 attention), serve (bench serve, 64 streams,
 # against a TP2 server started with torchrun, then the offline TP2 run of the same batch), cpuexperts (one GPU:
 # half the MoE layers' experts on the CPU). Every command has a time limit; results go to $OUT/scaleout.tar
@@ -43,11 +43,12 @@ for step in ${@:-allreduce collectives tokens tp pp ep serve cpuexperts}; do
   echo "=== $step $(date +%T)"
   case $step in
     allreduce) limit 120 allreduce $TR "$ROOT/plugins/nvidia/scripts/allreduce_bench.py" --out $R/allreduce-table.json
-               tail -7 $R/allreduce.json
+               tail -14 $R/allreduce.json
+               grep -qE "^\| 1 \| .* \| True \| True \|" $R/allreduce.json || { export CHITU_FUSED_BOUNDARY=0; echo "one-kernel boundary off"; }
                # A fast path that failed its check (or hung) is left off for the runs after it.
-               grep -q "| True | True |" $R/allreduce.json || { export CHITU_FAST_ALL_REDUCE=0; echo "fast all-reduce off"; } ;;
+               grep -q "| 8192 | .* | True | True |" $R/allreduce.json || { export CHITU_FAST_ALL_REDUCE=0; echo "fast all-reduce off"; } ;;
     collectives) limit 240 collectives python3 -m chitu_core.conformance --backend nvidia \
-                   --ops 'all_reduce,all_gather,reduce_scatter,broadcast,send_recv' --format md --quiet
+                   --ops 'all_reduce,all_gather,reduce_scatter,broadcast,send_recv,all_reduce_add_rms_norm' --format md --quiet
                  grep -E "cases:|^\| \`" $R/collectives.json | cut -c1-120 | head -8 ;;
     tokens) for m in tiny tiny-mixtral; do
               [ -d /tmp/$m ] || python3 -m chitu_core.bench random-model --like $m --out /tmp/$m --dtype float32 > /dev/null
@@ -74,6 +75,10 @@ PY
         for b in 1 64; do
           limit 240 tp1-b$b python3 $BENCH --model /tmp/llama-3.1-8b --batch-size $b
           limit 240 tp2-b$b $TR $BENCH --model /tmp/llama-3.1-8b --batch-size $b --tensor-parallel-size 2
+        done ;;
+    tp-composed) model llama-3.1-8b  # the TP2 runs with the layer boundary composed, not in one kernel
+        for b in 1 64; do
+          CHITU_FUSED_BOUNDARY=0 limit 240 tp2-composed-b$b $TR $BENCH --model /tmp/llama-3.1-8b --batch-size $b --tensor-parallel-size 2
         done ;;
     pp) model llama-3.1-8b
         [ -s $R/tp1-b64.json ] || limit 240 tp1-b64 python3 $BENCH --model /tmp/llama-3.1-8b --batch-size 64
