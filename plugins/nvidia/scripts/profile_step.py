@@ -2,9 +2,14 @@
 step, and the wall time per step around them.
 
     python plugins/nvidia/scripts/profile_step.py --model DIR --batch-size 1 [--steps 20] [--out FILE]
+    torchrun --nproc-per-node 2 plugins/nvidia/scripts/profile_step.py --model DIR --tensor-parallel-size 2 ...
+
+Under torchrun every rank runs the same requests and steps (as ``bench offline`` does); each rank
+profiles its own device, rank 0 prints, and ``--out`` gets one file per rank (``FILE.rankN``).
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -23,10 +28,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20, help="kernels listed")
     parser.add_argument("--out", help="also write the table here")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights, config.json alone")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     b, n = args.batch_size, args.steps
     engine = LLM(args.model, device="nvidia", dtype="bfloat16", max_model_len=512, max_num_seqs=max(b, 1),
-                 load_progress=False, load_format=args.load_format).engine
+                 load_progress=False, load_format=args.load_format,
+                 tensor_parallel_size=args.tensor_parallel_size).engine
     for i, p in enumerate(random_prompts(b, 128, engine.vocab_size, 3)):
         engine.add_request(f"p{i}", p, SamplingParams(max_tokens=3 * n + 20, temperature=0.0, ignore_eos=True))
     for _ in range(10):  # prefill and the first decode steps
@@ -53,9 +60,11 @@ def main() -> None:
         per_step = e.self_device_time_total / n
         lines.append(f"{per_step:9.1f} {e.count / n:6.0f} {per_step / (e.count / n):8.2f}  {e.key[:90]}")
     text = "\n".join(lines)
-    print(text)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(text)
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out + (f".rank{rank}" if args.tensor_parallel_size > 1 else ""), "w") as f:
             f.write(text + "\n")
 
 
