@@ -119,7 +119,8 @@ class LayerBoundary:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         h = x.shape[-1]
         rows = x.numel() // h if h else 0
-        if h > MAX_HIDDEN or not residual.is_contiguous() or residual.dtype != x.dtype or rows == 0:
+        if (h > MAX_HIDDEN or not residual.is_contiguous() or residual.dtype != x.dtype or rows == 0
+                or x.numel() * x.element_size() > self.max_bytes):
             return None
         out, new_residual = torch.empty_like(x), torch.empty_like(residual)
         _, slot, buf_ptrs = self.buffers[x.dtype]

@@ -1,8 +1,12 @@
 """The small-message all-reduce (contract 1.4) over torch's symmetric memory: every rank of the group
-maps one buffer per dtype of every other rank's (NVLink peer access), and a one-shot kernel reads all
-of them and writes the sum, fenced by the group's signal pads. No NVLink multicast is used.
+maps one buffer per dtype of every other rank's (NVLink peer access). Up to ONE_SHOT_BYTES a one-shot
+kernel reads all of them and writes the sum; above, up to ``max_bytes``, a two-shot kernel has each rank
+sum its share of the message and then gathers the shares; both fenced by the group's signal pads. No
+NVLink multicast is used.
 
-Measured with ``scripts/allreduce_bench.py``; messages above ``max_bytes`` go through NCCL. The layer
+Measured with ``scripts/allreduce_bench.py``; messages above ``max_bytes`` go through NCCL. The two-shot
+path has not run on a GPU yet, so ``max_bytes`` defaults to ONE_SHOT_BYTES and leaves it unused; measure
+it with ``CHITU_FAST_ALL_REDUCE_MAX_BYTES=33554432 torchrun ... allreduce_bench.py`` before raising it. The layer
 boundary (all-reduce + residual add + RMSNorm, contract 1.5) is one Triton kernel of its own over
 symmetric memory (``boundary_kernel.py``); ``CHITU_FUSED_BOUNDARY=0`` composes it from the all-reduce
 and the norm instead.
@@ -16,11 +20,12 @@ import torch
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.bfloat16, torch.float32)  # torch's one-shot kernel has no float16
-MAX_BYTES = int(os.environ.get("CHITU_FAST_ALL_REDUCE_MAX_BYTES", str(512 << 10)))
+ONE_SHOT_BYTES = 512 << 10
+MAX_BYTES = int(os.environ.get("CHITU_FAST_ALL_REDUCE_MAX_BYTES", str(ONE_SHOT_BYTES)))
 
 
 class SymmetricMemoryAllReduce:
-    """One-shot all-reduce of messages up to ``max_bytes`` through buffers made once per dtype."""
+    """One- or two-shot all-reduce of messages up to ``max_bytes`` through buffers made once per dtype."""
 
     def __init__(self, comm, device: torch.device, max_bytes: int = MAX_BYTES):
         import torch.distributed._symmetric_memory as symm_mem
@@ -39,7 +44,7 @@ class SymmetricMemoryAllReduce:
         if os.environ.get("CHITU_FUSED_BOUNDARY", "1") != "0":
             from chitu_nvidia.boundary_kernel import LayerBoundary
 
-            self.boundary = LayerBoundary(self.group_name, device, DTYPES, max_bytes)
+            self.boundary = LayerBoundary(self.group_name, device, DTYPES, min(max_bytes, ONE_SHOT_BYTES))
 
     def add_rms_norm(self, x, residual, weight, eps):
         """The layer boundary in one kernel, or None (the Communicator composes it)."""
@@ -48,7 +53,12 @@ class SymmetricMemoryAllReduce:
     def __call__(self, x: torch.Tensor) -> None:
         flat = x.view(-1)
         buf = self.buffers[x.dtype][: flat.numel()]
-        flat.copy_(torch.ops.symm_mem.one_shot_all_reduce_copy(buf, flat, "sum", self.group_name))
+        if flat.numel() * flat.element_size() <= ONE_SHOT_BYTES:
+            flat.copy_(torch.ops.symm_mem.one_shot_all_reduce_copy(buf, flat, "sum", self.group_name))
+        else:
+            buf.copy_(flat)
+            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
+            flat.copy_(buf)
 
 
 def fast_all_reduce(comm, device: torch.device):
