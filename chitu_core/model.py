@@ -32,6 +32,9 @@ class KVGeometry:
     head_dim: int
     kv_lora_rank: int = 0
     rope_dim: int = 0
+    attention_variants: frozenset[str] = frozenset()
+    """Contract 1.6: the attention variants some layer uses ("softcap", "sliding_window"); the engine
+    takes the core's reference attention where the backend's attention lacks one."""
 
     @property
     def is_mla(self) -> bool:

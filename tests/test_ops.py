@@ -104,6 +104,24 @@ def fused_add_rms_norm_cases(dtype):
         yield (x, residual, randn(shape[-1], dtype=dtype) + 1.0, 1e-5), {}, dtype
 
 
+def offset_rms_norm_cases(dtype):  # contract 1.6: Gemma's weight is the offset from one
+    for args, kwargs, out in rms_norm_cases(dtype):
+        yield (args[0], args[1] - 1.0, args[2]), kwargs, out
+
+
+def fused_add_offset_rms_norm_cases(dtype):
+    for args, kwargs, out in fused_add_rms_norm_cases(dtype):
+        yield (args[0], args[1], args[2] - 1.0, args[3]), kwargs, out
+
+
+def layer_norm_cases(dtype):
+    for shape, layout, bias in [((1, 1), "contiguous", True), ((7, 96), "strided", False),
+                                ((3, 5, 33), "transposed", True), ((2, 4096), "contiguous", True)]:
+        x = LAYOUTS[layout](randn(*shape, dtype=dtype, scale=2.0) + 1.5)
+        b = strided(randn(shape[-1], dtype=dtype)) if bias else None
+        yield (x, strided(randn(shape[-1], dtype=dtype) + 1.0), b, 1e-5), {}, dtype
+
+
 def cos_sin_cache(positions: int, rot: int) -> torch.Tensor:
     angles = torch.rand(positions, rot // 2, dtype=torch.float64) * 100.0
     return torch.cat((angles.cos(), angles.sin()), -1).float()

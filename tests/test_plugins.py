@@ -36,8 +36,8 @@ from chitu_core.plugins.discovery import entries
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "plugins"
 MODELS = [  # in name order, as the inventory lists them
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-    "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Glm4ForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 ]
 IGNORED = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
 
@@ -236,7 +236,7 @@ def assert_stock(inv: dict) -> None:
                                 "contract_version", "device_count", "process_group_backend", "quant_methods",
                                 "graph_runner", "attention", "fallback_ops", "overridden_ops")} == {
         "distribution": "chitu-cpu", "version": "0.1.0", "loaded": True, "available": True, "reason": "",
-        "device_type": "cpu", "priority": 0, "contract_version": "1.3", "device_count": 1,
+        "device_type": "cpu", "priority": 0, "contract_version": "1.6", "device_count": 1,
         "process_group_backend": "gloo", "quant_methods": ["awq", "fp8", "gptq", "int8", "unquantized"],
         "graph_runner": False,
         "attention": list(declared.attention_backends()), "fallback_ops": fallbacks, "overridden_ops": {},
@@ -246,7 +246,7 @@ def assert_stock(inv: dict) -> None:
     models = [m for m in inv["models"] if m["distribution"] == "chitu-models"]
     assert [(m["architecture"], m["loaded"]) for m in models] == [(a, True) for a in MODELS]
     assert inv["quant_methods"] == BUILT_IN_QUANT
-    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.5"
+    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.6"
     assert inv["failures"] == []
 
 

@@ -20,6 +20,14 @@ right after construction, and every layer passes its float32 scales as the
 keyword ``kv_scale`` of ``forward`` (and ``rotary_and_write_kv``, ``attend``).
 Layers pass it only then, so a backend written for contract 1.0 or 1.1 keeps
 its signatures; asked for an fp8 cache, it is a one-line error naming it.
+
+Variants (contract 1.6): a layer may cap its attention logits (``softcap``: scores become
+softcap * tanh(scores / softcap), after the scale and before the mask; Gemma 2) or see only
+the last ``window`` positions (a sliding window: query position i sees key positions j with
+i - window < j <= i; Gemma 2 and 3, every layer its own). A backend class lists those it
+implements in ``variants``; layers pass ``softcap=`` / ``window=`` to ``forward`` (and
+``rotary_and_write_kv``, ``attend``) only where they use them, and the engine takes the core's
+reference attention for a model that needs a variant the backend's attention lacks.
 """
 
 from abc import ABC, abstractmethod
@@ -32,6 +40,7 @@ from chitu_core.attention.fp8 import FP8_DTYPE, KV_CACHE_DTYPES
 from chitu_core.errors import ChituError
 
 Tensor = torch.Tensor
+VARIANTS = frozenset({"softcap", "sliding_window"})
 
 
 @dataclass
@@ -79,6 +88,18 @@ class PagedKVBackend(ABC):
     ``set_kv_cache_dtype`` to refuse where it cannot."""
     num_kv_scales: ClassVar[int] = 2
     """Scales of one layer's fp8 cache: keys and values (latent attention: 1)."""
+    variants: ClassVar[frozenset[str]] = frozenset()
+    """Contract 1.6: the attention variants this backend implements, of ``VARIANTS`` (see the module).
+    Read through ``supported_variants()``: a subclass that overrides ``forward`` inherits none."""
+
+    @classmethod
+    def supported_variants(cls) -> frozenset[str]:
+        """``variants`` as declared by the class whose ``forward`` runs: a subclass written for an older
+        contract that overrides ``forward`` (without the new keywords) does not inherit its base's."""
+        for klass in cls.__mro__:
+            if "forward" in klass.__dict__:
+                return frozenset(klass.__dict__.get("variants", frozenset()))
+        return frozenset()
 
     def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
         if block_size not in self.block_sizes:

@@ -10,7 +10,7 @@ in the accumulation dtype: the oracle for every backend's fp8 cache.
 import torch
 
 from chitu_core.attention import fp8
-from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.attention.contract import VARIANTS, AttentionBackend, AttentionMetadata
 
 Tensor = torch.Tensor
 
@@ -50,20 +50,23 @@ def gather_kv(kv_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor
     return keys[:, : meta.max_seq_len], values[:, : meta.max_seq_len]
 
 
-def causal_mask(meta: AttentionMetadata) -> Tensor:
-    """bool [B, max_query_len, max_seq_len]: may query row i of sequence b see key position j."""
+def causal_mask(meta: AttentionMetadata, window: int | None = None) -> Tensor:
+    """bool [B, max_query_len, max_seq_len]: may query row i of sequence b see key position j (with
+    ``window``, only the last ``window`` positions up to its own)."""
     dev = meta.seq_lens.device
     q_abs = meta.context_lens.long()[:, None] + torch.arange(meta.max_query_len, device=dev)[None]
     k_pos = torch.arange(meta.max_seq_len, device=dev)
-    return (k_pos[None, None, :] <= q_abs[:, :, None]) & (k_pos[None, None, :] < meta.seq_lens.long()[:, None, None])
+    mask = (k_pos[None, None, :] <= q_abs[:, :, None]) & (k_pos[None, None, :] < meta.seq_lens.long()[:, None, None])
+    return mask if window is None else mask & (k_pos[None, None, :] > q_abs[:, :, None] - window)
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
-                    kv_scale: Tensor | None = None) -> Tensor:
-    """The contract's ``forward`` computed literally (see AttentionBackend.forward)."""
+                    kv_scale: Tensor | None = None, softcap: float | None = None, window: int | None = None) -> Tensor:
+    """The contract's ``forward`` computed literally (see AttentionBackend.forward and, for ``softcap``
+    and ``window``, the contract module)."""
     write_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
     keys, values = gather_kv(kv_cache, meta)
-    mask = causal_mask(meta)
+    mask = causal_mask(meta, window)
     seq_idx, pos = packed_to_padded_index(meta)
     b, hq, d = meta.num_seqs, q.shape[1], q.shape[2]
     hk = keys.shape[2]
@@ -74,6 +77,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: Att
     q_pad[seq_idx, pos] = q
     q_pad = q_pad.to(acc).view(b, meta.max_query_len, hk, hq // hk, d)
     scores = torch.einsum("bqhgd,bkhd->bhgqk", q_pad, keys.to(acc)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.nan_to_num(scores.softmax(dim=-1), nan=0.0)  # padded query rows see nothing
     values = torch.where(mask.any(1)[:, :, None, None], values.to(acc), 0)
@@ -87,9 +92,10 @@ class ReferenceAttention(AttentionBackend):
     name = "reference"
     block_sizes = (16, 1, 8, 32, 64, 128)
     supports_fp8_kv_cache = True
+    variants = VARIANTS
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None):
-        return paged_attention(q, k, v, kv_cache, meta, scale, kv_scale)
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None, softcap=None, window=None):
+        return paged_attention(q, k, v, kv_cache, meta, scale, kv_scale, softcap, window)

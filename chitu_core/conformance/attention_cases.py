@@ -18,6 +18,10 @@ the plan's scales (a guarded operand too), against the same dense attention over
 values the reference's fp8 cache reads back (``chitu_core.attention.fp8``: quantized on the host,
 dequantized in float64), so that both sides carry the same rounding. Scales below 1 make some keys
 saturate. A backend class that does not set ``supports_fp8_kv_cache`` has these cases declined.
+
+Variants (contract 1.6), rows ``attention/NAME/softcap``, ``/window`` and ``/softcap+window``: the
+same steps with the logits capped and a sliding window narrower than the contexts (decodes, chunked
+prefills and prefills cross it); a backend class whose ``variants`` lacks one has its cases declined.
 """
 
 import math
@@ -51,6 +55,12 @@ class Plan:
     layout: str = "padded"  # of q, k and v: slices of a fused projection, or contiguous
     kv_scale: tuple[float, float] | None = None  # an fp8 cache's (key, value) scales; None: the model dtype
     padding: int = 0  # padding rows (slot -1) ending the step-2 batch
+    softcap: float | None = None  # contract 1.6 variants
+    window: int | None = None
+
+    @property
+    def variant(self) -> dict:
+        return {k: v for k, v in (("softcap", self.softcap), ("window", self.window)) if v is not None}
 
 
 PLANS = [
@@ -69,6 +79,12 @@ PLANS = [
     Plan("long chunked", 8, 2, 128, ((2047, 64), (0, 3))),
     Plan("padded mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), padding=3),
     Plan("padded prefill", 4, 4, 64, ((0, 17), (0, 16)), layout="contiguous", padding=1),
+]
+VARIANT_PLANS = [  # at the default block size only
+    Plan("mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), softcap=2.0),
+    Plan("mixed", 8, 2, 64, ((0, 23), (1, 1), (40, 9), (16, 16), (5, 1)), window=8),
+    Plan("decode", 4, 1, 128, ((33, 1), (130, 1), (2, 1)), window=32),
+    Plan("padded mixed", 4, 2, 64, ((0, 19), (20, 1), (37, 5)), softcap=1.5, window=16, padding=2),
 ]
 SWEEP = Plan("mixed", 4, 2, 64, ((0, 11), (20, 1), (37, 5)))  # run at every other block size a backend declares
 FP8_PLANS = [  # at the default block size only
@@ -103,6 +119,13 @@ def fp8_declined(attn_cls: type, plan) -> str:
     return f"{attn_cls.__name__} does not set supports_fp8_kv_cache (contract 1.2)"
 
 
+def variant_declined(attn_cls: type, plan) -> str:
+    """Why a class that lacks a plan's contract 1.6 variant declines it, else ""."""
+    needed = {"softcap": "softcap", "window": "sliding_window"}
+    missing = sorted(needed[k] for k in plan.variant if needed[k] not in attn_cls.supported_variants())
+    return f"{attn_cls.__name__} does not declare the variant(s) {', '.join(missing)}" if missing else ""
+
+
 def allocate_blocks(gen: torch.Generator, lens: list[int], block_size: int, spare: int = 3) -> tuple[Tensor, int]:
     """int32 block tables from a shuffled pool; entries past a sequence's blocks hold other sequences' ids."""
     needed = [-(-n // block_size) for n in lens]
@@ -130,12 +153,17 @@ def metadata(tables: Tensor, context_lens: list[int], query_lens: list[int], blo
                              block_size)
 
 
-def dense_attention(q: Tensor, k: Tensor, v: Tensor, context: int, scale: float) -> Tensor:
-    """float64 causal attention of q (positions context..context+n-1) over k, v (positions 0..L-1)."""
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, context: int, scale: float, softcap: float | None = None,
+                    window: int | None = None) -> Tensor:
+    """float64 causal attention of q (positions context..context+n-1) over k, v (positions 0..L-1),
+    with the logit cap and sliding window of contract 1.6 where given."""
     group = q.shape[1] // k.shape[1]
     keys, values = k.double().repeat_interleave(group, dim=1), v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
-    visible = torch.arange(k.shape[0])[None, :] <= (context + torch.arange(q.shape[0]))[:, None]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    k_pos, q_pos = torch.arange(k.shape[0])[None, :], (context + torch.arange(q.shape[0]))[:, None]
+    visible = (k_pos <= q_pos) & (k_pos > q_pos - window if window is not None else True)
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
 
 
@@ -160,13 +188,14 @@ class Step:
         self.slots = meta.slot_mapping[meta.slot_mapping >= 0]
         self.bounds, self.real = meta.query_start_loc.tolist(), sum(news)
         self.attn, self.cache, self.scale = attn, cache, plan.scale or 1 / math.sqrt(d)
-        self.kv_scale = plan.kv_scale
+        self.kv_scale, self.variant = plan.kv_scale, plan.variant
 
     def call(self) -> Tensor:
         q, k, v = (g.view for g in self.operands)
         if self.kv_scale is None:
-            return self.attn.forward(q, k, v, self.cache.cache, self.meta, self.scale)
-        return self.attn.forward(q, k, v, self.cache.cache, self.meta, self.scale, kv_scale=self.meta_guards[-1].view)
+            return self.attn.forward(q, k, v, self.cache.cache, self.meta, self.scale, **self.variant)
+        return self.attn.forward(q, k, v, self.cache.cache, self.meta, self.scale, kv_scale=self.meta_guards[-1].view,
+                                 **self.variant)
 
     def run(self) -> tuple[Tensor | None, str]:
         """(output, problem): prepare and forward, then the guards."""
@@ -228,7 +257,7 @@ def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan
             values.append(v)
             got = out[step.bounds[i] : step.bounds[i + 1]]
             if contexts[b] <= CHECKED_CONTEXT:
-                want = dense_attention(q, torch.cat(keys), torch.cat(values), done[b], step.scale)
+                want = dense_attention(q, torch.cat(keys), torch.cat(values), done[b], step.scale, plan.softcap, plan.window)
                 verdicts.append(compare(got, want, threshold, f"step 1 sequence {b}"))
             elif got.isnan().any():
                 return Outcome(Verdict.fail(f"step 1 sequence {b}: NaN in the output"), source)
@@ -241,7 +270,8 @@ def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan
     for b in range(len(plan.seqs)):
         q, k, v = step.per_sequence(b)
         keys, values = written[b]
-        want = dense_attention(q, torch.cat(keys + [k]), torch.cat(values + [v]), contexts[b], step.scale)
+        want = dense_attention(q, torch.cat(keys + [k]), torch.cat(values + [v]), contexts[b], step.scale,
+                               plan.softcap, plan.window)
         verdicts.append(compare(out[step.bounds[b] : step.bounds[b + 1]], want, threshold, f"step 2 sequence {b}"))
     perf = None
     if target.perf is not None:
@@ -267,7 +297,7 @@ def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
     for name, cls in backends.items():
         default = cls.block_sizes[0]
         plans = ([(p, default) for p in PLANS] + [(SWEEP, bs) for bs in cls.block_sizes[1:]]
-                 + [(p, default) for p in FP8_PLANS])
+                 + [(p, default) for p in FP8_PLANS] + [(p, default) for p in VARIANT_PLANS])
         for dtype in dtypes:
             for plan, bs in plans:
                 params = {"backend": name, "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads,
@@ -278,7 +308,11 @@ def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
                 label = (f"{plan.kind} Hq={plan.num_heads} Hk={plan.num_kv_heads} D={plan.head_dim} bs={bs} "
                          f"ctx+new={lens}" + (f" scale={plan.scale}" if plan.scale else ""))
                 row, label = fp8_row(plan, f"attention/{name}", label, params)
+                if plan.variant:
+                    row = f"{row}/{'+'.join(sorted(plan.variant))}"
+                    label += "".join(f" {k}={v}" for k, v in plan.variant.items())
+                    params.update(plan.variant)
                 cases.append(Case(row, "attention", "attention", dtype, params, label,
                                   partial(run_attention_case, cls, source, plan, bs),
-                                  declined=fp8_declined(cls, plan)))
+                                  declined=fp8_declined(cls, plan) or variant_declined(cls, plan)))
     return cases

@@ -24,6 +24,7 @@ from chitu_core.conformance.moe_cases import (  # noqa: F401
     fused_experts_full_size,
     moe_route,
 )
+from chitu_core.conformance.norm_cases import fused_add_offset_rms_norm, layer_norm, offset_rms_norm  # noqa: F401
 from chitu_core.conformance.quant_op_cases import fp8_linear, gguf_linear, int4_linear, int8_linear  # noqa: F401
 from chitu_core.conformance.thresholds import OP_FAMILY
 from chitu_core.ops import reference
@@ -38,7 +39,8 @@ FLOAT32_OUT = frozenset({"apply_temperature", "apply_top_k_top_p", "apply_min_p"
 INDEX_OUT = frozenset({"greedy_sample", "random_sample"})
 OUT_DTYPES = {"moe_route": (torch.float32, torch.int64)}
 """Ops whose outputs differ in dtype: one per output."""
-OUTPUT_NAMES = {"fused_add_rms_norm": ("out", "residual"), "rotary_embedding": ("q", "k"),
+OUTPUT_NAMES = {"fused_add_rms_norm": ("out", "residual"), "fused_add_offset_rms_norm": ("out", "residual"),
+                "rotary_embedding": ("q", "k"),
                 "moe_route": ("weights", "ids")}
 SCORES = {"greedy_sample": lambda logits: logits, "random_sample": lambda probs, exponentials: probs / exponentials}
 CANONICAL = {"moe_route": by_expert_id}

@@ -68,6 +68,11 @@ def build_attention(backend, geometry: KVGeometry, block_size: int | None, dtype
                         block_size or cls.block_sizes[0], dtype, device)
     else:
         cls = next(iter(backend.attention_backends().values()), ReferenceAttention)
+        missing = geometry.attention_variants - cls.supported_variants()
+        if missing:
+            log.warning("attention backend %r lacks the attention variant(s) %s this model uses; the core's reference "
+                        "attention runs instead (correct, not fast)", cls.name, ", ".join(sorted(missing)))
+            cls = ReferenceAttention
         attention = cls(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
                         block_size or cls.block_sizes[0], dtype, device)
     attention.set_kv_cache_dtype(kv_cache_dtype)

@@ -14,11 +14,16 @@ class Attention(nn.Module):
     checkpoint_kv_scales = ("k", "v")
     """The checkpoint scales that fill ``kv_scale``, in order (``chitu_core.quantization.kv_scales``)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, ctx: BuildContext):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, ctx: BuildContext,
+                 scale: float | None = None, softcap: float | None = None, window: int | None = None):
+        """``scale`` (default head_dim ** -0.5) multiplies q . k; ``softcap`` and ``window``: the attention
+        variants of contract 1.6 (``chitu_core.attention.contract``), passed to the backend only when set;
+        the model must declare them in its ``KVGeometry.attention_variants``."""
         super().__init__()
         self.backend = ctx.attention
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.layer_idx, self.scale = layer_idx, head_dim**-0.5
+        self.layer_idx, self.scale = layer_idx, head_dim**-0.5 if scale is None else scale
+        self.variant = {k: v for k, v in (("softcap", softcap), ("window", window)) if v is not None}
         self.register_buffer("kv_scale", self.backend.new_kv_scale(), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepContext,
@@ -27,7 +32,7 @@ class Attention(nn.Module):
         ``positions``, q and k are rotated first: by the backend in its cache write where it fuses
         the two, else by the rotary layer's op."""
         cache = step.kv_caches[self.layer_idx]
-        fp8 = {} if self.kv_scale is None else {"kv_scale": self.kv_scale}
+        fp8 = dict(self.variant) if self.kv_scale is None else {"kv_scale": self.kv_scale, **self.variant}
         if rotary is not None and self.backend.fuses_rotary:
             q, _ = self.backend.rotary_and_write_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, cache,
                                                     step.meta, **fp8)

@@ -25,6 +25,24 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
     return rms_norm(total, weight, eps), total
 
 
+def offset_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # contract 1.6
+    xf = x.to(_acc_dtype(x))
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1 + weight.to(xf.dtype))).to(x.dtype)
+
+
+def fused_add_offset_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    total = x + residual
+    return offset_rms_norm(total, weight, eps), total
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:  # contract 1.6
+    xf = x.to(_acc_dtype(x))
+    centred = xf - xf.mean(-1, keepdim=True)
+    out = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xf.dtype)
+    return (out if bias is None else out + bias.to(xf.dtype)).to(x.dtype)
+
+
 def rotary_embedding(
     positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, is_neox: bool
 ) -> tuple[Tensor, Tensor]:

@@ -216,6 +216,24 @@ class OpSet(Protocol):
         weights, which are exact in float32 (the reference computes in float64 when x is float64): the same
         slots, negative ids skipped, the activation's result rounded to x.dtype, float32 accumulation."""
 
+    # --- contract 1.6: norms of more architectures (Gemma's, LayerNorm) ------------------------------
+
+    def offset_rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x: [..., H], weight: [H]. Returns (x / sqrt(mean(x**2, -1) + eps)) * (1 + weight), all of it
+        computed in float32 and rounded to x.dtype once at the end (the Gemma convention: its stored
+        weight is the offset from one)."""
+
+    def fused_add_offset_rms_norm(
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        """x, residual: [..., H]. Returns (offset_rms_norm(x + residual), x + residual); the sum is
+        rounded to x.dtype before the norm, as an unfused add would be."""
+
+    def layer_norm(self, x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+        """x: [..., H], weight and bias (or None): [H]. Returns (x - mean) / sqrt(var + eps) * weight
+        + bias over the last dimension (biased variance), computed in float32 and rounded to x.dtype
+        once at the end."""
+
 
 OP_NAMES: tuple[str, ...] = tuple(
     name for name in OpSet.__dict__ if not name.startswith("_") and callable(OpSet.__dict__[name])

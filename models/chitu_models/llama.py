@@ -56,18 +56,22 @@ def unfuse(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
 
 
 class DecoderAttention(nn.Module):
+    """``scale``, ``softcap``, ``window``: as ``Attention`` takes them; ``norm_offset``: the q/k norms
+    (``qk_norm``) in Gemma's convention."""
+
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, ctx: BuildContext,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, scale: float | None = None,
+                 softcap: float | None = None, window: int | None = None, norm_offset: bool = False):
         super().__init__()
         hd = head_dim(config)
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads, n_kv, ctx, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, ctx, bias=o_bias)
         self.hq, self.hk, self.hd = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps, ctx) if qk_norm else None
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps, ctx) if qk_norm else None
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps, ctx, norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps, ctx, norm_offset) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.hq, self.hk, hd, layer_idx, ctx)
+        self.attn = Attention(self.hq, self.hk, hd, layer_idx, ctx, scale, softcap, window)
 
     def defer_reduce(self) -> None:
         """Return this rank's partial output, unsummed (see ``RowParallelLinear.reduce``)."""
@@ -89,7 +93,7 @@ class DecoderMLP(nn.Module):
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], ctx, bias=bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, ctx, bias=bias)
-        act = getattr(config, "hidden_act", "silu")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")  # Gemma: the former
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         self.act = getattr(ctx.ops, ACTIVATIONS[act])
@@ -123,12 +127,13 @@ class DecoderLayer(nn.Module):
     layer's input norm, or the model's final norm, sums it (``input_partial``, set by DecoderModel)."""
 
     fuse_boundaries: ClassVar[bool] = True  # False where a norm takes a sublayer's whole output (GLM-4)
+    norm_offset: ClassVar[bool] = False  # True: Gemma's norms (RMSNorm ``offset``)
 
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, ctx: BuildContext):
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, self.norm_offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, self.norm_offset)
         self.comm = ctx.comm
         fuse = self.fuse_boundaries and ctx.tp_size > 1
         self.attn_partial = fuse and defer_reduce(self_attn)
@@ -154,7 +159,10 @@ class DecoderModel(nn.Module):
     and checkpoint names stay the whole model's; the embedding on the first stage only, the final
     norm on the last (which also keeps the embedding table where the LM head is tied to it)."""
 
-    def __init__(self, config, ctx: BuildContext, rotary: RotaryEmbedding, build_layer: Callable[[int], DecoderLayer]):
+    def __init__(self, config, ctx: BuildContext, rotary: RotaryEmbedding, build_layer: Callable[[int], DecoderLayer],
+                 norm_offset: bool = False, embed_scale: float | None = None):
+        """``norm_offset``: the final norm in Gemma's convention; ``embed_scale``: the embeddings are
+        multiplied by it, rounded to the model dtype first (Gemma's sqrt(hidden_size))."""
         super().__init__()
         self.first, self.last = ctx.pp_rank == 0, ctx.pp_rank == ctx.pp_size - 1
         self.local = stage_layers(config.num_hidden_layers, ctx.pp_size, ctx.pp_rank)
@@ -162,7 +170,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx) if self.first or tied else Absent()
         self.rotary = rotary
         self.layers = nn.ModuleList(build_layer(i) if i in self.local else Absent() for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if self.last else Absent()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, norm_offset) if self.last else Absent()
+        self.embed_scale = None if embed_scale is None else torch.tensor(embed_scale, dtype=ctx.dtype).item()
         self.comm, previous = ctx.comm, None
         for i in self.local:  # each layer sums the previous one's deferred output (DecoderLayer)
             self.layers[i].input_partial = previous is not None and previous.mlp_partial
@@ -175,6 +184,8 @@ class DecoderModel(nn.Module):
         previous stage's (every stage but the first)."""
         if self.first:
             hidden, residual = self.embed_tokens(token_ids), None
+            if self.embed_scale is not None:
+                hidden = hidden * self.embed_scale
         else:
             hidden, residual = intermediate[0], intermediate[1]
         for i in self.local:

@@ -11,13 +11,13 @@ applied outside SDPA: the key scale folded into the softmax scale, the value
 scale multiplied into the output.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
-from chitu_core.attention.reference import causal_mask, gather_kv, packed_to_padded_index, write_kv
+from chitu_core.attention.contract import VARIANTS, AttentionBackend, AttentionMetadata
+from chitu_core.attention.reference import causal_mask, gather_kv, packed_to_padded_index, paged_attention, write_kv
 
 
 @dataclass
@@ -25,12 +25,19 @@ class CpuStepState:
     seq_idx: torch.Tensor  # [T] sequence of each packed row
     pos: torch.Tensor  # [T] its row among the sequence's new tokens
     mask: torch.Tensor  # bool [B, 1, max_query_len, max_seq_len]
+    windows: dict = field(default_factory=dict)  # window -> its mask, made by the first layer that asks
+
+    def windowed(self, meta: AttentionMetadata, window: int) -> torch.Tensor:
+        if window not in self.windows:
+            self.windows[window] = causal_mask(meta, window)[:, None]
+        return self.windows[window]
 
 
 class CpuSdpaAttention(AttentionBackend):
     name = "sdpa"
     block_sizes = (16, 1, 8, 32, 64, 128)
     supports_fp8_kv_cache = True
+    variants = VARIANTS  # contract 1.6: a window masks more; a capped layer takes the reference's math
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -39,8 +46,11 @@ class CpuSdpaAttention(AttentionBackend):
         seq_idx, pos = packed_to_padded_index(meta)
         return CpuStepState(seq_idx, pos, causal_mask(meta)[:, None])
 
-    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None, softcap=None, window=None):
+        if softcap is not None:  # SDPA has no logit cap
+            return paged_attention(q, k, v, kv_cache, meta, scale, kv_scale, softcap, window)
         state: CpuStepState = meta.backend_state
+        mask = state.mask if window is None else state.windowed(meta, window)
         write_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
         keys, values = gather_kv(kv_cache, meta)  # [B, S, Hk, D]
         v_scale = None
@@ -55,7 +65,7 @@ class CpuSdpaAttention(AttentionBackend):
             q_pad.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=state.mask,
+            attn_mask=mask,
             scale=scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, Hq, max_q, D]

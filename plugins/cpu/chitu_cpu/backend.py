@@ -14,7 +14,7 @@ from chitu_cpu.mla import CpuSdpaMLAAttention
 class CpuBackend(Backend):
     name = "cpu"
     device_type = "cpu"
-    contract_version = "1.3"
+    contract_version = "1.6"
     priority = 0  # any accelerator backend should win under device="auto"
 
     def is_available(self) -> Availability:

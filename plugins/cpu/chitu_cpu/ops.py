@@ -18,6 +18,20 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
     return rms_norm(total, weight, eps), total
 
 
+def offset_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1 + weight.float())).to(x.dtype)
+
+
+def fused_add_offset_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    total = x + residual
+    return offset_rms_norm(total, weight, eps), total
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    b = None if bias is None else bias.float()
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)
+
+
 def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, is_neox: bool) -> tuple[Tensor, Tensor]:
     # One pass over queries and keys together: [T, Hq + Hk, D].
     hq, rot = q.shape[1], cos_sin_cache.shape[-1]
@@ -88,6 +102,9 @@ def log_softmax(logits: Tensor) -> Tensor:
 NATIVE_OPS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
+    "offset_rms_norm": offset_rms_norm,  # contract 1.6
+    "fused_add_offset_rms_norm": fused_add_offset_rms_norm,
+    "layer_norm": layer_norm,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
     "linear": linear,
