@@ -86,6 +86,12 @@ def test_rms_norms():
         weight = strided(randn(shape[-1], dtype=dtype) + 1.0)
         check_op("rms_norm", (x, weight, 1e-6), {}, dtype)
         check_op("fused_add_rms_norm", (x, residual, weight, 1e-6), {}, dtype)
+        check_op("offset_rms_norm", (x, weight - 1.0, 1e-6), {}, dtype)  # contract 1.6
+        check_op("fused_add_offset_rms_norm", (x, residual, weight - 1.0, 1e-6), {}, dtype)
+        if scale >= 1.0:  # a mean for LayerNorm to take off (float32 cannot centre 1e-3 spreads around 1.5)
+            shifted = x + 1.5
+            check_op("layer_norm", (shifted, weight, strided(randn(shape[-1], dtype=dtype)), 1e-5), {}, dtype)
+            check_op("layer_norm", (shifted, weight, None, 1e-5), {}, dtype)
 
 
 def test_greedy_sample_takes_the_first_maximum_across_chunks():
@@ -228,6 +234,36 @@ def test_split_kv_decode(num_splits):
     attn = make_attention(hq, hk, d, block_size, num_splits)
     assert attn.prepare(metadata(tables, contexts, [1] * 4, block_size)).plan.num_splits == num_splits
     check_step(attn, cache, tables, contexts, [1] * 4, written, scale)
+
+
+@pytest.mark.parametrize("softcap,window,num_splits", [(2.0, None, None), (None, 8, None), (1.5, 16, None),
+                                                       (1.5, 16, 3)])
+def test_paged_attention_variants(softcap, window, num_splits):
+    """Contract 1.6: the logit cap and the sliding window (narrower than the contexts, so that whole tiles
+    fall before it) against dense float64 attention with both, unsplit and split-KV."""
+    from chitu_core.conformance.attention_cases import dense_attention as dense_with_variants
+
+    hq, hk, d, block_size = 8, 2, 64, 16
+    scale = 1 / math.sqrt(d)
+    batch = BATCH if num_splits is None else [(150, 1), (1, 1), (70, 1), (260, 1)]
+    contexts, news = [c for c, _ in batch], [n for _, n in batch]
+    tables, num_blocks = allocate_blocks([c + n for c, n in batch], block_size, spare=3)
+    unsplit = make_attention(hq, hk, d, block_size)
+    cache = unsplit.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+    written = fill_contexts(unsplit, cache, tables, contexts, scale)
+    attn = make_attention(hq, hk, d, block_size, num_splits)
+    meta = metadata(tables, contexts, news, block_size)
+    meta.backend_state = attn.prepare(meta)
+    assert meta.backend_state.plan.num_splits == (num_splits or 1)
+    q, k, v = qkv_views(sum(news), hq, hk, d, DTYPE)
+    out = attn.forward(q, k, v, cache, meta, scale, softcap=softcap, window=window)
+    bounds = meta.query_start_loc.tolist()
+    for b in range(len(batch)):
+        a, e = bounds[b], bounds[b + 1]
+        ctx_k, ctx_v = written.get(b, (k[:0], v[:0]))
+        want = dense_with_variants(q[a:e], torch.cat((ctx_k, k[a:e])), torch.cat((ctx_v, v[a:e])), contexts[b], scale,
+                                   softcap, window)
+        torch.testing.assert_close(out[a:e].double(), want, **ATTN_TOL, msg=lambda m: f"sequence {b}: {m}")
 
 
 def test_plan_splits_only_underfilled_long_decodes():

@@ -25,8 +25,8 @@ Variants (contract 1.6): a layer may cap its attention logits (``softcap``: scor
 softcap * tanh(scores / softcap), after the scale and before the mask; Gemma 2) or see only
 the last ``window`` positions (a sliding window: query position i sees key positions j with
 i - window < j <= i; Gemma 2 and 3, every layer its own). A backend class lists those it
-implements in ``variants``; layers pass ``softcap=`` / ``window=`` to ``forward`` (and
-``rotary_and_write_kv``, ``attend``) only where they use them, and the engine takes the core's
+implements in ``variants``; layers pass ``softcap=`` / ``window=`` to ``forward`` (or ``attend``)
+only where they use them, and the engine takes the core's
 reference attention for a model that needs a variant the backend's attention lacks.
 """
 

@@ -32,13 +32,13 @@ class Attention(nn.Module):
         ``positions``, q and k are rotated first: by the backend in its cache write where it fuses
         the two, else by the rotary layer's op."""
         cache = step.kv_caches[self.layer_idx]
-        fp8 = dict(self.variant) if self.kv_scale is None else {"kv_scale": self.kv_scale, **self.variant}
+        fp8 = {} if self.kv_scale is None else {"kv_scale": self.kv_scale}
         if rotary is not None and self.backend.fuses_rotary:
             q, _ = self.backend.rotary_and_write_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, cache,
                                                     step.meta, **fp8)
-            out = self.backend.attend(q, cache, step.meta, self.scale, **fp8)
+            out = self.backend.attend(q, cache, step.meta, self.scale, **fp8, **self.variant)
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)
-            out = self.backend.forward(q, k, v, cache, step.meta, self.scale, **fp8)
+            out = self.backend.forward(q, k, v, cache, step.meta, self.scale, **fp8, **self.variant)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
+from chitu_core.attention.contract import VARIANTS, AttentionBackend, AttentionMetadata
 from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.kv_cache import write_kv
 from chitu_core.kernels.triton.paged_attention import AttentionPlan, paged_attention, plan, split_workspace
@@ -35,6 +35,7 @@ class TritonPagedAttention(AttentionBackend):
     block_sizes = (16, 1, 8, 32, 64, 128)
     fuses_rotary = True
     supports_fp8_kv_cache = True
+    variants = VARIANTS  # contract 1.6: the logit cap and the sliding window, in the kernel
     force_num_splits: int | None = None
     """Set (tests, tuning) to force a split-KV count instead of the planner's choice."""
     float32_dot_precision: str = "ieee"
@@ -76,16 +77,16 @@ class TritonPagedAttention(AttentionBackend):
         return meta.backend_state if isinstance(meta.backend_state, TritonStepState) else self.prepare(meta)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
-                kv_scale: Tensor | None = None) -> Tensor:
+                kv_scale: Tensor | None = None, softcap: float | None = None, window: int | None = None) -> Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
-        return self.attend(q, kv_cache, meta, scale, kv_scale)
+        return self.attend(q, kv_cache, meta, scale, kv_scale, softcap, window)
 
     def attend(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
-               kv_scale: Tensor | None = None) -> Tensor:
+               kv_scale: Tensor | None = None, softcap: float | None = None, window: int | None = None) -> Tensor:
         """``forward`` without the cache write: the step's keys and values are already in ``kv_cache``."""
         state = self._state(meta)
         return paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                               state.plan, state.workspace, self.float32_dot_precision, kv_scale)
+                               state.plan, state.workspace, self.float32_dot_precision, kv_scale, softcap, window)
 
     def rotary_and_write_kv(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor,
                             is_neox: bool, kv_cache: Tensor, meta: AttentionMetadata,

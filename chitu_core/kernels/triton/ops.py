@@ -12,12 +12,21 @@ from chitu_core.kernels.triton.int4_linear import int4_linear
 from chitu_core.kernels.triton.int8_linear import int8_linear
 from chitu_core.kernels.triton.moe import fused_experts, moe_route
 from chitu_core.kernels.triton.moe_fp8 import fused_experts_fp8
-from chitu_core.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+from chitu_core.kernels.triton.rms_norm import (
+    fused_add_offset_rms_norm,
+    fused_add_rms_norm,
+    layer_norm,
+    offset_rms_norm,
+    rms_norm,
+)
 from chitu_core.kernels.triton.rotary import rotary_embedding
 
 TRITON_OPS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
+    "offset_rms_norm": offset_rms_norm,  # contract 1.6
+    "fused_add_offset_rms_norm": fused_add_offset_rms_norm,
+    "layer_norm": layer_norm,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
     "gelu_and_mul": gelu_and_mul,

@@ -56,11 +56,11 @@ def _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
 def _attention_kernel(
     out, part_acc, part_max, part_sum,
     q, cache, block_tables, seq_lens, query_start_loc, kv_scale,
-    scale_log2, num_seqs, num_heads, num_splits,
+    scale_log2, softcap_log2, window, num_seqs, num_heads, num_splits,
     stride_qt, stride_qh, stride_qd, stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
     pid = tl.program_id(0)
@@ -93,6 +93,8 @@ def _attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
+        if WINDOW:  # tiles wholly before the first row's window hold nothing any row sees
+            tile_lo = tl.maximum(context + q_first - window + 1, 0) // BLOCK_N
     if FP8:
         scale_log2 = scale_log2 * tl.load(kv_scale)
 
@@ -110,7 +112,12 @@ def _attention_kernel(
         if FP8:
             k_tile = k_tile.to(q_tile.dtype)
         s = tl.dot(q_tile, k_tile, input_precision=PRECISION, out_dtype=tl.float32) * scale_log2
-        s = tl.where((k_pos[None, :] <= q_abs[:, None]) & k_ok[None, :], s, float("-inf"))
+        if SOFTCAP:  # softcap * tanh(x / softcap), in the log2 domain the scores live in; tanh(y) = 1 - 2 / (e^2y + 1)
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap_log2) + 1.0))
+        visible = (k_pos[None, :] <= q_abs[:, None]) & k_ok[None, :]
+        if WINDOW:
+            visible = visible & (k_pos[None, :] > q_abs[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
         p = tl.exp2(s - m_safe[:, None])
@@ -131,7 +138,7 @@ def _attention_kernel(
         tl.store(part_max + part, m_i, mask=row_ok)
         tl.store(part_sum + part, l_i, mask=row_ok)
     else:
-        result = acc / l_i[:, None]
+        result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a padding row may see nothing in a window
         tl.store(out + (token * num_heads + head)[:, None] * HEAD_DIM + d[None, :],
                  result.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -187,14 +194,16 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, step: AttentionPlan,
                     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    float32_precision: str = "ieee", kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    float32_precision: str = "ieee", kv_scale: torch.Tensor | None = None,
+                    softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D] (any strides); kv_cache already holds this step's keys and values.
 
     Returns [T, Hq, D] in q's dtype: causal attention of each token over its sequence's cached
     keys. ``workspace`` (see ``split_workspace``) is needed when ``step.num_splits`` > 1.
     ``float32_precision`` is tl.dot's input_precision for float32 operands: "ieee" everywhere;
     a device may offer faster ones of float32 accuracy (NVIDIA: "tf32x3"). An fp8 cache needs
-    the layer's ``kv_scale`` (float32 [2]); the products then run in q's dtype."""
+    the layer's ``kv_scale`` (float32 [2]); the products then run in q's dtype. ``softcap`` and
+    ``window``: the attention variants of contract 1.6 (``chitu_core.attention.contract``)."""
     t, num_heads, dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty((t, num_heads, dim), dtype=q.dtype, device=q.device)
@@ -215,12 +224,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     grid = (t // (step.block_m // group_p) + num_seqs, num_kv_heads, step.num_splits)
     _attention_kernel[grid](
         out, part_acc, part_max, part_sum, q, kv_cache, block_tables, seq_lens, query_start_loc,
-        kv_scale if fp8 else seq_lens, scale * LOG2E, num_seqs, num_heads, step.num_splits,
+        kv_scale if fp8 else seq_lens, scale * LOG2E, (softcap or 1.0) * LOG2E, window or 0, num_seqs, num_heads,
+        step.num_splits,
         *q.stride(), *kv_cache.stride()[:4], block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_M=step.block_m, BLOCK_N=step.block_n, HEAD_DIM=dim, HEAD_P=head_p,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=split,
         PRECISION=float32_precision if q.dtype == torch.float32 else "tf32",  # ignored for 16-bit inputs
-        FP8=fp8, num_warps=step.num_warps,
+        FP8=fp8, SOFTCAP=softcap is not None, WINDOW=window is not None, num_warps=step.num_warps,
     )
     if split:
         _reduce_splits_kernel[(t, num_heads)](out, part_acc, part_max, part_sum, num_heads, step.num_splits,

@@ -1,9 +1,11 @@
-"""rms_norm and fused_add_rms_norm of the op contract (``chitu_core.ops.spec``) in one Triton kernel.
+"""The norms of the op contract (``chitu_core.ops.spec``) in one Triton kernel: rms_norm and
+fused_add_rms_norm, and (contract 1.6) offset_rms_norm, fused_add_offset_rms_norm and layer_norm.
 
-One program normalises one row held whole in registers: the statistics in float32,
-the normalised row rounded to x.dtype, then multiplied by weight (the Llama
-convention); the fused variant first rounds x + residual to x.dtype, as an
-unfused add would, and writes that sum as its second output.
+One program normalises one row held whole in registers: the statistics in float32; Llama's
+convention rounds the normalised row to x.dtype, then multiplies by weight; the offset (Gemma)
+convention multiplies by 1 + weight in float32 and rounds once, as LayerNorm (centred, times weight,
+plus bias) does. The fused variants first round x + residual to x.dtype, as an unfused add would,
+and write that sum as their second output.
 """
 
 import torch
@@ -17,10 +19,10 @@ MAX_HIDDEN = 65536  # one row per program, in registers
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr, sum_ptr, x_ptr, res_ptr, w_ptr, H, eps,
-    stride_x_row, stride_x_col, stride_r_row, stride_r_col, stride_w,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):
+    out_ptr, sum_ptr, x_ptr, res_ptr, w_ptr, b_ptr, H, eps,
+    stride_x_row, stride_x_col, stride_r_row, stride_r_col, stride_w, stride_b,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # MODE 0: Llama's RMSNorm, 1: the offset RMSNorm, 2: LayerNorm
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -30,13 +32,23 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * H + cols, x, mask=mask)
     xf = x.to(tl.float32)
+    if MODE == 2:
+        xf = tl.where(mask, xf - tl.sum(xf, axis=0) / H, 0.0)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * H + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if MODE == 0:
+        y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    elif MODE == 1:
+        y = xf * rstd * (1.0 + w)
+    else:
+        y = xf * rstd * w
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols * stride_b, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, mode: int = 0,
+            bias: torch.Tensor | None = None):
     hidden = x.shape[-1]
     if hidden > MAX_HIDDEN:
         raise ValueError(f"rms_norm: hidden size {hidden} is over this kernel's {MAX_HIDDEN}")
@@ -46,10 +58,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res = as_rows(residual) if residual is not None else rows
     if rows.shape[0]:
         block = pow2(hidden)
+        b = weight if bias is None else bias
         _rms_norm_kernel[(rows.shape[0],)](
-            out, total, rows, res, weight, hidden, eps,
-            rows.stride(0), rows.stride(1), res.stride(0), res.stride(1), weight.stride(0),
-            BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 512)),
+            out, total, rows, res, weight, b, hidden, eps,
+            rows.stride(0), rows.stride(1), res.stride(0), res.stride(1), weight.stride(0), b.stride(0),
+            BLOCK=block, HAS_RESIDUAL=residual is not None, MODE=mode, HAS_BIAS=bias is not None,
+            num_warps=min(16, max(1, block // 512)),
         )
     return out, total
 
@@ -61,3 +75,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch(x, residual, weight, eps)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps, mode=1)[0]
+
+
+def fused_add_offset_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(x, residual, weight, eps, mode=1)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps, mode=2, bias=bias)[0]
