@@ -38,6 +38,7 @@ def phi3(**overrides) -> tf.Phi3Config:
 
 CASES = {  # name -> (config, prompts)
     "phi3": (lambda: phi3(sliding_window=256), PROMPTS),
+    "phi3-window": (lambda: phi3(sliding_window=8), PROMPTS),  # prompts and continuations far past the window
     "phi3-partial": (lambda: phi3(partial_rotary_factor=0.5), PROMPTS),
     "phi3-longrope": (lambda: phi3(rope_parameters=longrope(16)), LONG_PROMPTS),
     "phi3-longrope-partial": (lambda: phi3(rope_parameters=dict(longrope(8), partial_rotary_factor=0.5)), LONG_PROMPTS),
@@ -107,11 +108,9 @@ def test_longrope_table_is_transformers_for_the_context(case):
     assert (rope.attention_factor > 1.2) == long  # sqrt(1 + ln 8 / ln 64) for 512 / 64
 
 
-def test_context_is_the_models_capped_at_a_sliding_window(pair):
+def test_a_sliding_window_does_not_cap_the_context(pair):
+    """The window is an attention variant (contract 1.6), not a cap: the whole context is served."""
     case, hf, llm, _ = pair
+    assert llm.engine.max_model_len == hf.config.max_position_embeddings
     window = getattr(hf.config, "sliding_window", None)
-    assert llm.engine.max_model_len == min(hf.config.max_position_embeddings, window or 1 << 30)
-    if window:  # phi3: sliding and full attention agree within the window, and a longer request is refused
-        assert llm.engine.max_model_len == 256
-        with pytest.raises(ValueError, match="more than max_model_len=256"):
-            llm.generate([{"prompt_token_ids": [5] * 250}], SamplingParams(max_tokens=10))
+    assert llm.engine.model.kv_geometry(hf.config, 1).attention_variants == ({"sliding_window"} if window else set())

@@ -6,6 +6,7 @@ per-head q/k norm, the MLP of each layer), so Qwen and the MoE models reuse it
 """
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -250,10 +251,16 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's decoder. Sliding-window attention is not in the attention contract yet,
-    so the context is capped at the window, where full and sliding attention agree."""
+    """Mistral is Llama's decoder; a config's ``sliding_window`` gives every layer that window (the
+    attention variant of contract 1.6), so the whole context is served."""
 
     @classmethod
-    def max_model_len(cls, config) -> int:
-        full = super().max_model_len(config)
-        return min(full, getattr(config, "sliding_window", None) or full)
+    def attention_options(cls, config) -> dict:
+        return {**super().attention_options(config), "window": getattr(config, "sliding_window", None)}
+
+    @classmethod
+    def kv_geometry(cls, config, tp_size: int) -> KVGeometry:
+        geometry = super().kv_geometry(config, tp_size)
+        if getattr(config, "sliding_window", None) is None:
+            return geometry
+        return replace(geometry, attention_variants=frozenset({"sliding_window"}))

@@ -4,8 +4,7 @@ checkpoint, optional partial rotary, and LongRoPE for the long-context models.
 LongRoPE's long factors serve the whole context where it passes original_max_position_embeddings,
 the short ones otherwise (``chitu_core.layers.rotary.inv_freq_table`` says why and where that agrees
 with transformers). The sliding window Phi-3 configs set (2047 for the 4k models, past the context
-for the 128k ones) is not in the attention contract yet, so, as for Mistral, the context is capped
-at the window, where full and sliding attention agree; the engine refuses a longer request.
+for the 128k ones) is Mistral's: every layer attends within it (contract 1.6's attention variant).
 """
 
 from collections.abc import Iterable
@@ -19,7 +18,7 @@ from chitu_models.llama import MistralForCausalLM, head_dim, unfuse
 class Phi3ForCausalLM(MistralForCausalLM):
     @classmethod
     def build_rotary(cls, config, ctx: BuildContext) -> RotaryEmbedding:
-        # The table is for the context served (the window's cap included): that picks LongRoPE's factors.
+        # The table is for the context served: that picks LongRoPE's factors.
         return RotaryEmbedding(head_dim(config), cls.max_model_len(config), rope_config(config), ctx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], presharded: bool = False) -> None:
