@@ -72,6 +72,9 @@ OUTPUTS: dict[str, Callable[[Mapping[str, Any]], Outputs]] = {
     "fp8_linear": _matmul("weight", 0),
     "gguf_linear": _matmul("qweight", 0),
     "fused_experts_fp8": _like("x"),
+    "offset_rms_norm": _like("x"),  # contract 1.6
+    "fused_add_offset_rms_norm": lambda a: _like("x")(a) * 2,
+    "layer_norm": _like("x"),
 }
 """op -> (arguments by name -> [(shape, dtype)] of each output): what ``spec`` says each op returns.
 A new op of the contract adds its rule here (``tests/test_hardening.py`` checks every op has one)."""
