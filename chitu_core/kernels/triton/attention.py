@@ -18,7 +18,14 @@ import torch
 from chitu_core.attention.contract import VARIANTS, AttentionBackend, AttentionMetadata
 from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.kv_cache import write_kv
-from chitu_core.kernels.triton.paged_attention import AttentionPlan, paged_attention, plan, split_workspace
+from chitu_core.kernels.triton.paged_attention import (
+    DEFAULT_TILES,
+    AttentionPlan,
+    TileConfig,
+    paged_attention,
+    plan,
+    split_workspace,
+)
 from chitu_core.kernels.triton.rotary import rotary_embedding_and_write_kv
 
 Tensor = torch.Tensor
@@ -41,6 +48,8 @@ class TritonPagedAttention(AttentionBackend):
     float32_dot_precision: str = "ieee"
     """tl.dot's input_precision in a float32 cache; a backend's subclass may pick a faster one of
     float32 accuracy its device offers."""
+    tiles: TileConfig = DEFAULT_TILES
+    """The device's tiling (``paged_attention.TileConfig``); a backend's subclass sets its own."""
 
     def __init__(self, num_heads, num_kv_heads, head_dim, block_size, dtype, device):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
@@ -51,7 +60,7 @@ class TritonPagedAttention(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> TritonStepState:
         step = plan(self.num_heads, self.num_kv_heads, meta.max_query_len, meta.num_seqs, meta.max_seq_len,
-                    self.num_compute_units, self.force_num_splits, self.dtype.itemsize, self.head_dim)
+                    self.num_compute_units, self.force_num_splits, self.dtype.itemsize, self.head_dim, self.tiles)
         workspace = None
         if step.num_splits > 1:
             workspace = split_workspace(meta.slot_mapping.shape[0], self.num_heads, self.head_dim, step.num_splits,
@@ -67,7 +76,7 @@ class TritonPagedAttention(AttentionBackend):
         for query_len, splits in ((2, 1), (1, 1), (1, 2)):
             seqs = 2 // query_len
             step = plan(self.num_heads, self.num_kv_heads, 64 if query_len > 1 else 1, seqs, self.block_size,
-                        self.num_compute_units, splits, self.dtype.itemsize, self.head_dim)
+                        self.num_compute_units, splits, self.dtype.itemsize, self.head_dim, self.tiles)
             qsl = torch.arange(seqs + 1, dtype=torch.int32, device=self.device) * query_len
             seq_lens = torch.full((seqs,), query_len, dtype=torch.int32, device=self.device)
             paged_attention(q, cache, tables[:seqs], seq_lens, qsl, 1.0, step, None, self.float32_dot_precision,

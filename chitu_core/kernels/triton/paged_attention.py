@@ -159,6 +159,20 @@ def _reduce_splits_kernel(out, part_acc, part_max, part_sum, num_heads, num_spli
 
 
 @dataclass(frozen=True)
+class TileConfig:
+    """A device's tiling of the attention kernel: bytes of one key tile (what one pipeline stage of K
+    and of V holds in shared memory), and the warps of a program of up to 64 query rows and of a wider
+    one. A device of 64-wide wavefronts (a DCU) gets the same threads from half the warps."""
+
+    key_tile_bytes: int = 16 << 10
+    warps: int = 4
+    wide_warps: int = 8
+
+
+DEFAULT_TILES = TileConfig()
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """Tile shapes and split count for one step (every layer of the step shares it)."""
 
@@ -170,25 +184,26 @@ class AttentionPlan:
 
 def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, max_seq_len: int,
          num_compute_units: int, num_splits: int | None = None, dtype_bytes: int = 2,
-         head_dim: int = 128) -> AttentionPlan:
+         head_dim: int = 128, tiles: TileConfig = DEFAULT_TILES) -> AttentionPlan:
     """Decode-sized query blocks (16 rows) when every sequence brings few tokens, else 64 rows; key
     tiles of 16 KB (64 keys of 128 16-bit channels; fewer keys for wider rows, since pipelined
     K and V tiles must fit in shared memory), and query blocks of at most 32 rows when a row
     takes more than 512 bytes (head_dim 256 in float32). Split
     the keys only in pure decode steps whose (sequence, kv head) programs would leave the device
     under-filled (fewer than 2 per compute unit) and whose contexts are long (>= 512 keys), into at
-    most 16 ranges of at least 256 keys. ``num_splits`` forces a count (tests, tuning)."""
+    most 16 ranges of at least 256 keys. ``num_splits`` forces a count (tests, tuning); ``tiles`` is
+    the device's configuration (the defaults: 16 KB key tiles, 4 or 8 warps of 32 threads)."""
     group_p = pow2(num_heads // num_kv_heads)
     small = max_query_len * group_p <= 16
     row_bytes = pow2(head_dim, at_least=16) * dtype_bytes
     block_m = max(16 if small else (64 if row_bytes <= 512 else 32), group_p)
-    block_n = max(16, min(64, (16 << 10) // row_bytes))
+    block_n = max(16, min(64, tiles.key_tile_bytes // row_bytes))
     if num_splits is None:
         num_splits = 1
         programs, target = num_seqs * num_kv_heads, 2 * num_compute_units
         if max_query_len == 1 and programs < target and max_seq_len >= 512:
             num_splits = max(1, min(16, -(-target // programs), max_seq_len // 256))
-    return AttentionPlan(block_m, block_n, num_splits, 4 if block_m <= 64 else 8)
+    return AttentionPlan(block_m, block_n, num_splits, tiles.warps if block_m <= 64 else tiles.wide_warps)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -201,9 +201,9 @@ def graph():
     if SMOKE:
         replay = step.forward
     else:
-        from chitu_nvidia.graphs import CudaGraphRunner
+        from chitu_core.kernels.triton.graphs import DeviceGraphRunner
 
-        replay = CudaGraphRunner().capture(step.forward)
+        replay = DeviceGraphRunner().capture(step.forward)
     other = Step([int(x) for x in torch.randint(1, longest, (b,))], [1] * b, DTYPE, padding=2)
     assert other.num_blocks <= step.num_blocks
     for name in ("slot_mapping", "seq_lens", "context_lens", "query_start_loc"):

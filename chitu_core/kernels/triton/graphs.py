@@ -1,4 +1,5 @@
-"""CUDA graphs for the engine's decode steps (the Backend contract's ``GraphRunner``)."""
+"""Device graphs for the engine's decode steps (the Backend contract's ``GraphRunner``) on a device that
+PyTorch exposes as ``torch.cuda``: CUDA graphs, and HIP graphs under ROCm builds (the same API)."""
 
 from collections.abc import Callable
 
@@ -7,7 +8,7 @@ import torch
 from chitu_core.backend import GraphRunner
 
 
-class CudaGraphRunner(GraphRunner):
+class DeviceGraphRunner(GraphRunner):
     """Each capture warms ``fn`` up on a side stream, then records it into a ``torch.cuda.CUDAGraph``.
     All captures share one memory pool (the engine captures the largest batch first and replays
     one graph at a time). Nothing touches the device before the first capture."""
@@ -22,7 +23,7 @@ class CudaGraphRunner(GraphRunner):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn()  # compiles the Triton kernels, lets cuBLAS pick its workspaces
+            fn()  # compiles the Triton kernels, lets the BLAS library pick its workspaces
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -1,0 +1,1 @@
+"""chitu-hygon: the Hygon DCU backend."""

@@ -1,0 +1,1 @@
+"""chitu-muxi: the MetaX (Muxi) GPU backend."""
