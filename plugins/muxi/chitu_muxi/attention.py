@@ -10,11 +10,12 @@ MACA_TILES = TileConfig(key_tile_bytes=8 << 10, warps=2, wide_warps=4)
 
 
 class MuxiTritonAttention(TritonPagedAttention):
-    name = "triton-maca"
-    supports_fp8_kv_cache = False
-    tiles = MACA_TILES
+    """Paged attention: MACA tiling, the cache in the model dtype."""
+
+    name, tiles, supports_fp8_kv_cache = "triton-maca", MACA_TILES, False
 
 
 class MuxiTritonMLAAttention(TritonMLAAttention):
-    name = "triton-mla-maca"
-    supports_fp8_kv_cache = False
+    """Latent attention: the cache in the model dtype."""
+
+    name, supports_fp8_kv_cache = "triton-mla-maca", False
