@@ -13,17 +13,39 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "ascend_standin"), str(REPO / "plugins" / "ascend")]
-import torch_npu  # the stand-in, from the path above
-from chitu_ascend.attention import AscendPagedAttention
-from chitu_ascend.backend import AscendBackend
-
 from chitu_core.conformance.case import Target
 from chitu_core.conformance.runner import Session, build_cases
 from chitu_core.conformance.thresholds import ThresholdBook
 from chitu_core.ops.checks import checked_ops
 from chitu_core.ops.table import resolve_ops
+
+REPO = Path(__file__).resolve().parents[1]
+PATHS = [str(REPO / "tests" / "ascend_standin"), str(REPO / "plugins" / "ascend")]
+torch_npu = AscendPagedAttention = AscendBackend = None  # set by the fixture below
+
+
+@pytest.fixture(scope="module", autouse=True)
+def standin():
+    """The stand-in (and the plugin) importable for this module's tests only: pytest imports every test
+    module before running any, and nothing else may find a torch_npu (transformers, for one, would take it
+    for Huawei's and import its NPU attention)."""
+    global torch_npu, AscendPagedAttention, AscendBackend
+    sys.path[:0] = PATHS
+    try:
+        import torch_npu as module  # the stand-in
+        from chitu_ascend.attention import AscendPagedAttention as attention
+        from chitu_ascend.backend import AscendBackend as backend
+
+        torch_npu, AscendPagedAttention, AscendBackend = module, attention, backend
+        yield
+    finally:
+        for path in PATHS:
+            sys.path.remove(path)
+        for name in [m for m in sys.modules if m.split(".")[0] in ("torch_npu", "chitu_ascend")]:
+            del sys.modules[name]
+        if hasattr(torch, "npu"):
+            del torch.npu
+
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OPERATORS = {  # op row -> the torch_npu operators its mapping calls
