@@ -1,18 +1,26 @@
-"""A model end to end: a tiny random Llama on the backend against the same model on the reference.
+"""Models end to end: every installed architecture on a small random config of its own family.
 
-The model class comes from the installed model plugin (``LlamaForCausalLM``); it is built twice from
-one random initialisation: on the backend (its resolved ops, its first attention backend, the case
-dtype) and on the CPU in float64 with the reference ops and attention. Three prompts of different
-lengths prefill in one step over shuffled blocks, then ``DECODE_STEPS`` decode steps follow,
-teacher-forced with the reference's greedy tokens. Two rows judge it: the logits of every step
-(nmse) and the backend's greedy tokens (its own ``greedy_sample``) against the reference logits.
+Which architectures: each one registered under ``chitu_core.models`` whose class declares the
+classmethod ``conformance_config()``, returning an HF config dict with its ``model_type``
+(docs/writing-a-model.md). ``FALLBACK_CONFIGS`` holds the config of an architecture whose plugin
+does not declare one yet; any other architecture is listed as skipped, with the reason.
+
+Each model is built twice from one set of random weights: on the CPU in float64 with the reference
+ops and attention, and on the backend (its resolved ops, its attention for the model's geometry,
+the case dtype). Where transformers knows the ``model_type`` the weights are a transformers model's
+own, loaded through the model's ``load_weights`` as a checkpoint would be; otherwise the reference's
+parameters are drawn directly. Three prompts of different lengths prefill in one step over shuffled
+blocks, then ``DECODE_STEPS`` decode steps follow, teacher-forced with the reference's greedy tokens.
+Three rows judge it: the backend's logits of every step (nmse) and its greedy tokens (its own
+``greedy_sample``) against the reference's, and, once (float32 column), the reference's logits against
+transformers' in float64: that row judges the model plugin, the same on every backend.
 """
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 
-from chitu_core.attention.reference import ReferenceAttention
 from chitu_core.conformance.attention_cases import allocate_blocks, metadata
 from chitu_core.conformance.case import Case, Outcome, Target, raised
 from chitu_core.conformance.compare import Verdict, compare, compare_argmax
@@ -21,26 +29,65 @@ from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext, StepContext
 from chitu_core.ops.table import resolve_ops
 
-ARCH = "LlamaForCausalLM"
-CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
+FALLBACK_CONFIGS = {  # until the plugin's class declares conformance_config()
+    "LlamaForCausalLM": dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0),
+}
+ROWS = ("logits", "greedy", "transformers")
 PROMPTS = (5, 17, 30)
 DECODE_STEPS = 6
+REFERENCE_BLOCK = 16
 
 
-def _build(model_cls, hf_config, ops, attention_cls, block_size, dtype, device):
-    attn = attention_cls(CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"],
-                         CONFIG["hidden_size"] // CONFIG["num_attention_heads"], block_size, dtype, device)
-    ctx = BuildContext(ops, attn, Communicator.single(), dtype, device)
-    return model_cls(hf_config, ctx).eval(), attn
+def hf_config(config: dict):
+    """(HF config object, whether transformers knows its model_type) of a ``conformance_config()`` dict."""
+    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    if model_type in CONFIG_MAPPING:
+        return AutoConfig.for_model(model_type, **values), True
+    return PretrainedConfig(**values), False  # a family transformers lacks: a plain config with its attributes
+
+
+class _NoAttention:
+    """A backend without attention classes: ``build_attention`` then gives the core's reference."""
+
+    @staticmethod
+    def attention_backends() -> dict:
+        return {}
+
+    @staticmethod
+    def mla_attention_backends() -> dict:
+        return {}
+
+
+def _build(model_cls, config, backend, ops, dtype, device, block_size=None):
+    from chitu_core.engine.engine import build_attention
+
+    geometry = model_cls.kv_geometry(config, 1)
+    attn = build_attention(backend, geometry, block_size, dtype, device)
+    model = model_cls(config, BuildContext(ops, attn, Communicator.single(), dtype, device)).eval()
+    return model, attn, geometry.num_layers
+
+
+def _widen(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Random weights far from ties: norms around 1, the rest N(0, 0.08)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5, generator=gen)
+            else:
+                p.normal_(0.0, 0.08, generator=gen)
 
 
 class _Stepper:
     """Runs steps of one model through its own KV caches, as the engine's model runner would."""
 
-    def __init__(self, model, attn, tables: torch.Tensor, device: torch.device):
+    def __init__(self, model, attn, num_layers: int, tables: torch.Tensor, device: torch.device):
         self.model, self.attn, self.tables, self.device = model, attn, tables, device
-        self.caches = [attn.allocate_kv_cache(int(tables.max()) + 1) for _ in range(CONFIG["num_hidden_layers"])]
+        self.caches = [attn.allocate_kv_cache(int(tables.max()) + 1) for _ in range(num_layers)]
 
     def step(self, ids: list[torch.Tensor], contexts: list[int]) -> torch.Tensor:
         """Logits [B, V] of each sequence's last new token; ids: each sequence's new tokens."""
@@ -57,11 +104,52 @@ class _Stepper:
 
 
 class ModelRun:
-    """Runs the reference and the backend once per dtype; both rows read the result."""
+    """One architecture: the reference (and transformers) once, the backend once per dtype; the rows read them."""
 
-    def __init__(self, model_cls):
-        self.model_cls = model_cls
+    def __init__(self, arch: str, model_cls, config: dict):
+        self.arch, self.model_cls, self.config = arch, model_cls, config
         self.results: dict[torch.dtype, tuple] = {}
+        self.reference_run: tuple | None = None
+
+    def reference(self):
+        """(reference model, the steps' tokens, its logits of every step, transformers' logits or None)."""
+        if self.reference_run is None:
+            self.reference_run = self._reference()
+        return self.reference_run
+
+    def _reference(self):
+        gen = torch.Generator().manual_seed(1234)
+        config, known = hf_config(self.config)
+        cpu = torch.device("cpu")
+        model, attn, layers = _build(self.model_cls, config, _NoAttention, resolve_ops("reference", {}),
+                                     torch.float64, cpu, REFERENCE_BLOCK)
+        hf = None
+        if known:  # transformers' own weights, loaded by name as a checkpoint is
+            from transformers import AutoModelForCausalLM
+
+            config._attn_implementation = "eager"
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+            _widen(hf, gen)
+            model.load_weights(hf.state_dict().items())
+        else:
+            _widen(model, gen)
+            model.process_weights_after_loading()
+        vocab = config.vocab_size
+        prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in PROMPTS]
+        lens = [n + DECODE_STEPS for n in PROMPTS]
+        run = _Stepper(model, attn, layers, allocate_blocks(gen, lens, REFERENCE_BLOCK)[0], cpu)
+        # The reference decides the tokens fed back (teacher forcing).
+        steps, want = [(prompts, [0] * len(PROMPTS))], []
+        for s in range(DECODE_STEPS + 1):
+            want.append(run.step(*steps[-1]))
+            steps.append(([t.view(1) for t in want[-1].argmax(-1)], [n + s for n in PROMPTS]))
+        theirs = None
+        if hf is not None:
+            fed = torch.stack([w.argmax(-1) for w in want[:-1]], dim=1)  # [B, DECODE_STEPS]
+            with torch.no_grad():
+                full = [hf(torch.cat([p, f])[None]).logits[0, len(p) - 1:] for p, f in zip(prompts, fed)]
+            theirs = torch.cat([torch.stack([f[s] for f in full]) for s in range(DECODE_STEPS + 1)])
+        return model, steps[:-1], torch.cat(want), theirs
 
     def get(self, target: Target, case: Case):
         if case.dtype not in self.results:
@@ -69,44 +157,27 @@ class ModelRun:
         return self.results[case.dtype]
 
     def _run(self, target: Target, case: Case):
-        from transformers import LlamaConfig
-
-        gen = torch.Generator().manual_seed(1234)
-        hf_config = LlamaConfig(**CONFIG)
-        cpu = torch.device("cpu")
-        reference, ref_attn = _build(self.model_cls, hf_config, resolve_ops("reference", {}), ReferenceAttention,
-                                     16, torch.float64, cpu)
-        with torch.no_grad():
-            for name, p in reference.named_parameters():
-                if "norm" in name:
-                    p.uniform_(0.5, 1.5, generator=gen)
-                else:
-                    p.normal_(0.0, 0.08, generator=gen)
-        attention_cls = next(iter(target.backend.attention_backends().values()), ReferenceAttention)
         try:
-            model, attn = _build(self.model_cls, hf_config, target.ops, attention_cls, attention_cls.block_sizes[0],
-                                 case.dtype, target.device)
+            reference, steps, want, _ = self.reference()
+        except Exception as exc:  # the model plugin's failure, not the backend's
+            return None, None, raised(exc, f"{self.arch} on the reference ops (a model plugin problem)").verdict.detail
+        config, _ = hf_config(self.config)
+        try:
+            model, attn, layers = _build(self.model_cls, config, target.backend, target.ops, case.dtype, target.device)
             with torch.no_grad():
                 for (_, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
                     p.copy_(ref)
+            model.process_weights_after_loading()
         except Exception as exc:  # the backend's own failure is the case's result
-            return None, None, raised(exc, f"building {ARCH}").verdict.detail
-        prompts = [torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen) for n in PROMPTS]
-        lens = [n + DECODE_STEPS for n in PROMPTS]
-        ref_run = _Stepper(reference, ref_attn, allocate_blocks(gen, lens, 16)[0], cpu)
-        # The reference decides the tokens fed back (teacher forcing).
-        steps, want = [(prompts, [0] * len(PROMPTS))], []
-        for s in range(DECODE_STEPS + 1):
-            want.append(ref_run.step(*steps[-1]))
-            steps.append(([t.view(1) for t in want[-1].argmax(-1)], [n + s for n in PROMPTS]))
+            return None, None, raised(exc, f"building {self.arch}").verdict.detail
+        lens, gen = [n + DECODE_STEPS for n in PROMPTS], torch.Generator().manual_seed(4321)  # the same tables every run
         try:
-            run = _Stepper(model, attn, allocate_blocks(gen, lens, attn.block_size)[0], target.device)
-            got = [run.step(ids, contexts) for ids, contexts in steps[:-1]]
+            run = _Stepper(model, attn, layers, allocate_blocks(gen, lens, attn.block_size)[0], target.device)
+            got = [run.step(ids, contexts) for ids, contexts in steps]
             greedy = [target.ops.greedy_sample(g) for g in got]
         except Exception as exc:  # the backend's own failure is the case's result
-            return None, None, raised(exc, f"{ARCH} forward").verdict.detail
-        return (torch.cat(want), torch.cat([g.cpu() for g in got]), torch.cat([g.cpu() for g in greedy])), \
-            _source(target), ""
+            return None, None, raised(exc, f"{self.arch} forward").verdict.detail
+        return (want, torch.cat([g.cpu() for g in got]), torch.cat([g.cpu() for g in greedy])), _source(target), ""
 
 
 def _source(target: Target) -> str:
@@ -116,6 +187,12 @@ def _source(target: Target) -> str:
 
 
 def run_model_case(run: ModelRun, what: str, case: Case, target: Target) -> Outcome:
+    if what == "transformers":
+        try:
+            _, _, ours, theirs = run.reference()
+        except Exception as exc:  # the model plugin's failure, on the reference
+            return raised(exc, f"{run.arch} on the reference ops (a model plugin problem)")
+        return Outcome(compare(ours, theirs, target.threshold(case), "logits of the reference model"), "fallback")
     result, source, problem = run.get(target, case)
     if problem:
         return Outcome(Verdict.fail(problem))
@@ -125,21 +202,53 @@ def run_model_case(run: ModelRun, what: str, case: Case, target: Target) -> Outc
     return Outcome(compare_argmax(greedy, want, target.threshold(case), "greedy tokens"), source)
 
 
-def model_cases(dtypes: tuple[torch.dtype, ...]) -> list[Case]:
+def _plan(arch: str) -> tuple[object, dict | None, str]:
+    """(model class, conformance config, why skipped) of one installed architecture."""
     from chitu_core.plugins.discovery import load_model_class
 
     try:
-        model_cls, skip = load_model_class(ARCH), ""
+        model_cls = load_model_class(arch)
     except ChituError as exc:
-        model_cls, skip = None, f"no model plugin provides {ARCH} ({exc})"
-    run = ModelRun(model_cls)
-    cases = []
-    head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+        return None, None, f"the plugin providing {arch} did not load ({exc})"
+    # Declared on the class itself: an inherited one is the parent's family (Mistral's would be Llama's).
+    declared = "conformance_config" in vars(model_cls)
+    config = model_cls.conformance_config() if declared else FALLBACK_CONFIGS.get(arch)
+    if config is None:
+        return model_cls, None, (f"{model_cls.__module__}.{model_cls.__name__} declares no conformance_config(); "
+                                 "add it to run this architecture (docs/writing-a-model.md)")
+    return model_cls, config, ""
+
+
+def model_cases(dtypes: tuple[torch.dtype, ...], chosen: Callable[[str, str], bool] = lambda row, op: True) -> list[Case]:
+    """The cases of every installed architecture that has some row ``chosen(row, "model")`` accepts."""
+    from chitu_core.plugins.discovery import MODELS_GROUP, entries
+
+    installed = [e.name for e in entries(MODELS_GROUP)]
+    archs = [a for a in installed if any(chosen(row, "model") for row in (f"model/{a}", *(f"model/{a}/{w}" for w in ROWS)))]
+    if not installed:
+        return _cases("LlamaForCausalLM", None, FALLBACK_CONFIGS["LlamaForCausalLM"],
+                      "no model plugin is installed (pip install chitu-models)", dtypes)
+    return [case for arch in archs for case in _cases(arch, *_plan(arch), dtypes)]
+
+
+def _cases(arch: str, model_cls, config: dict | None, skip: str, dtypes) -> list[Case]:
+    params, label, known = {"architecture": arch}, "skipped", False
+    if not skip:
+        try:
+            hf, known = hf_config(config)
+            geometry = model_cls.kv_geometry(hf, 1)
+        except Exception as exc:  # a config the class cannot read: the plugin's problem, reported
+            hf, known, skip = None, False, f"{arch}'s conformance_config() does not build: {type(exc).__name__}: {exc}"
+        else:
+            params.update(num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim)
+            label = (f"{geometry.num_layers} layers, H={hf.hidden_size}, prompts {PROMPTS}, "
+                     f"{DECODE_STEPS} decode steps")
+    if skip:  # one row says why
+        return [Case(f"model/{arch}", "model", "model_logits", dtype, dict(params), label, skip=skip) for dtype in dtypes]
+    run, cases = ModelRun(arch, model_cls, config), []
     for dtype in dtypes:
-        for what in ("logits", "greedy"):
-            params = {"architecture": ARCH, "num_heads": CONFIG["num_attention_heads"],
-                      "num_kv_heads": CONFIG["num_key_value_heads"], "head_dim": head_dim}
-            label = f"2 layers, H={CONFIG['hidden_size']}, prompts {PROMPTS}, {DECODE_STEPS} decode steps"
-            cases.append(Case(f"model/{ARCH}/{what}", "model", f"model_{what}", dtype, params, label,
-                              partial(run_model_case, run, what), skip=skip))
+        rows = ("logits", "greedy") + (("transformers",) if dtype == torch.float32 and known else ())
+        for what in rows:
+            cases.append(Case(f"model/{arch}/{what}", "model", f"model_{what}", dtype, dict(params), label,
+                              partial(run_model_case, run, what)))
     return cases

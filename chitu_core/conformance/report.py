@@ -112,6 +112,9 @@ def markdown(results: list[CaseResult], env: dict, perf: bool = False) -> str:
     failed = [r for r in results if r.status == "fail"]
     if failed:
         lines += ["", "## Failures", ""] + [f"- `{r.row}` [{r.dtype}] {r.label}: {r.detail}" for r in failed]
+    skipped = dict.fromkeys((r.row, r.detail) for r in results if r.status == "skipped")
+    if skipped:
+        lines += ["", "## Skipped", ""] + [f"- `{row}`: {detail}" for row, detail in skipped]
     if perf:
         lines += ["", "## Performance", "", "| op | dtype | case | µs/call | GB/s | TFLOP/s |", "|---|---|---|---|---|---|"]
         for r in results:

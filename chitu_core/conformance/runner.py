@@ -62,13 +62,15 @@ def parse_dtypes(text: str) -> tuple[torch.dtype, ...]:
 
 def build_cases(target: Target, dtypes: tuple[torch.dtype, ...] = DTYPES, ops: str = "") -> list[Case]:
     """Every case for ``dtypes``, those whose row or op matches one of the comma-separated globs ``ops``."""
+    patterns = [p.strip() for p in ops.split(",") if p.strip()]
+
+    def chosen(row: str, op: str) -> bool:
+        return not patterns or any(fnmatch.fnmatchcase(row, p) or fnmatch.fnmatchcase(op, p) for p in patterns)
+
     cases = (op_cases(dtypes, perf=target.perf is not None) + attention_cases(target.backend, dtypes) + mla_cases(target.backend, dtypes)
              + sampler_cases(dtypes) + collective_cases(target.backend, dtypes) + quant_cases(target.backend, dtypes)
-             + model_cases(dtypes))
-    patterns = [p.strip() for p in ops.split(",") if p.strip()]
-    if not patterns:
-        return cases
-    return [c for c in cases if any(fnmatch.fnmatchcase(c.row, p) or fnmatch.fnmatchcase(c.op, p) for p in patterns)]
+             + model_cases(dtypes, chosen))  # only the architectures asked for are loaded
+    return [c for c in cases if chosen(c.row, c.op)]
 
 
 class Session:

@@ -127,13 +127,16 @@ FAMILIES: dict[str, Family] = {
                       _float32("zscore", limit=5.0)),
     "collective": Family("exact", ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"),
                          "two ranks on the backend's process group; values are exact in every dtype", _EXACT),
-    "model_logits": Family("nmse", ("model/*/logits",), "tiny random Llama, prefill and decode steps, against the "
-                           "reference ops and attention in float64",
+    "model_logits": Family("nmse", ("model/*/logits",), "each installed architecture's small random config, prefill "
+                           "and decode steps, against the reference ops and attention in float64",
                            _per_dtype("nmse", dict(limit=1e-8, rtol=1e-3), dict(limit=5e-3, rtol=0.25),
                                       dict(limit=1e-4, rtol=0.05))),
     "model_greedy": Family("argmax", ("model/*/greedy",), "greedy tokens, teacher-forced with the reference's; a token "
                            "whose reference logit is within atol of the best counts as a tie",
                            _per_dtype("argmax", dict(atol=1e-3), dict(atol=0.25), dict(atol=0.05))),
+    "model_transformers": Family("nmse", ("model/*/transformers",), "the model on the reference ops in float64 against "
+                                 "transformers' own model in float64, same weights and tokens: judges the model plugin, "
+                                 "the same on every backend", _float32("nmse", limit=1e-10, rtol=1e-4)),
 }
 
 OP_FAMILY: dict[str, str] = {op: name for name, fam in FAMILIES.items() for op in fam.members if "*" not in op}
