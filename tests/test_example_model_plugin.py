@@ -37,7 +37,12 @@ MULTIPLIERS = dict(embedding_multiplier=2.0, attention_multiplier=0.1, residual_
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """The example installed into a fresh target directory on sys.path (a copy: the build leaves the tree clean)."""
+    """The example installed into a fresh target directory on sys.path (a copy: the build leaves the tree clean).
+
+    An in-tree architecture is loaded first, as an earlier test or a running process would have: the
+    group's entry points are then already listed once, before the example is on sys.path.
+    """
+    load_model_class("LlamaForCausalLM")
     tmp = tmp_path_factory.mktemp("model-plugin")
     src = shutil.copytree(EXAMPLE, tmp / "src", ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     target = tmp / "site"

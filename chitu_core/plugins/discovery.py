@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pluggy
-from stevedore import driver
+from stevedore import driver, extension
 
 from chitu_core.backend import Availability, Backend
 from chitu_core.errors import BackendNotFound, BackendUnavailable, ModelLoadError, PluginError
@@ -76,6 +76,17 @@ def _filtered_out(group: str, name: str) -> PluginEntry | None:
     return next((e for e in entries(group, filtered=False) if e.name == name), None)
 
 
+def _forget_stale_group(entry: PluginEntry) -> None:
+    """Drop stevedore's in-process list of ``entry``'s group if it lacks ``entry``.
+
+    stevedore keeps each group's entry points for the life of the process; a plugin installed or put
+    on sys.path after the group's first lookup is seen by importlib.metadata (``entries``) but not by it.
+    """
+    cached = extension.ExtensionManager.ENTRY_POINT_CACHE.get(entry.group)
+    if cached is not None and not any(ep.name == entry.name and ep.value == entry.target for ep in cached):
+        del extension.ExtensionManager.ENTRY_POINT_CACHE[entry.group]
+
+
 def _load(entry: PluginEntry) -> object:
     """Import one entry point through stevedore; import errors become a PluginError naming it."""
     if entry.rivals:
@@ -83,6 +94,7 @@ def _load(entry: PluginEntry) -> object:
             f"{entry.group} name {entry.name!r} is registered by {entry.origin} and by {', '.join(entry.rivals)}; "
             f"uninstall all but one of them"
         )
+    _forget_stale_group(entry)
     try:
         return driver.DriverManager(entry.group, entry.name, invoke_on_load=False).driver
     except Exception as exc:  # the plugin's own import failure, whatever it raised
