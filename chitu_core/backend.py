@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from chitu_core.attention.contract import AttentionBackend
     from chitu_core.attention.mla import MLAAttentionBackend
     from chitu_core.conformance.thresholds import Threshold
+    from chitu_core.quantization.base import QuantMethod
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,19 @@ class MemoryInfo:
 
     total_bytes: int
     free_bytes: int
+
+
+class PackedLinear(ABC):
+    """A linear layer's weight in a backend's own layout (``Backend.pack_linear``, contract 1.7)."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features] in x.dtype, as the method's ``apply`` computes it."""
+
+    @abstractmethod
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """The tensors it holds, by name (the core registers them as the layer's buffers: they count in
+        its memory and its bytes read per step)."""
 
 
 class GraphRunner(ABC):
@@ -175,6 +189,15 @@ class Backend(ABC):
         [in_features, out_features] tensor (the ops still get [out, in] tensors, with other
         strides), where the device's GEMMs run faster on that layout. Default: no."""
         return False
+
+    def pack_linear(self, method: "QuantMethod", layer: torch.nn.Module, dtype: torch.dtype) -> "PackedLinear | None":
+        """(1.7) Optional: take over one loaded linear layer's product with weights in a layout of your
+        own. Called once per linear layer after its method's ``process_weights_after_loading``, with the
+        method (its ``name`` and ``options``), the layer holding the method's tensors in the contract's
+        layout, and ``dtype``, the activations' (the model's). Return None to leave the layer on the method's ops (the default), or a
+        ``PackedLinear``: the core then calls it instead of ``method.apply`` and drops the layer's method
+        tensors (it keeps ``bias``). The quantization conformance cases run each method through it."""
+        return None
 
     def completion_event(self):
         """An event recorded now on the device's work queue: an object whose ``synchronize()``

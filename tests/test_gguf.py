@@ -141,21 +141,25 @@ def test_second_resolve_is_a_cache_hit(smollm2, monkeypatch):
 
 
 def test_default_model_kept_quantized_stores_its_q4_1_blocks(smollm2):
-    """keep_quantized: the 210 Q4_1 matrices stay the file's blocks (un-permuted like the dense rows),
-    everything else is the dense conversion's tensor. (Running it needs a backend with "gguf":
-    tests/test_quant_gguf.py.)"""
+    """keep_quantized: the 210 Q4_1 matrices and the Q8_0 token embedding (the tied head too) stay the
+    file's blocks (un-permuted like the dense rows), everything else is the dense conversion's tensor.
+    (Running it: tests/test_quant_gguf.py, tests/test_cpu_packed.py.)"""
     import json
 
-    from chitu_core.quantization.gguf_blocks import Q4_1, dequantize
+    from chitu_core.quantization.gguf_blocks import Q4_1, Q8_0, dequantize
 
     kept = Path(resolve_model(None, keep_quantized=True))
     assert kept != smollm2 and kept.parent == smollm2.parent
     qc = json.loads((kept / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "gguf" and qc["modules_to_not_convert"] == []
+    assert qc["tensor_types"].pop("model.embed_tokens.weight") == Q8_0
     assert len(qc["tensor_types"]) == 210 and set(qc["tensor_types"].values()) == {Q4_1}
     ours, dense = load_file(kept / "model.safetensors"), load_file(smollm2 / "model.safetensors")
     assert sorted(n.removesuffix(".qweight") + ".weight" if n.endswith(".qweight") else n for n in ours) == sorted(dense)
-    assert sorted(n.removesuffix(".qweight") + ".weight" for n in ours if n.endswith(".qweight")) == sorted(qc["tensor_types"])
+    assert sorted(n.removesuffix(".qweight") + ".weight" for n in ours if n.endswith(".qweight")) == \
+        sorted([*qc["tensor_types"], "model.embed_tokens.weight"])
+    embed = ours.pop("model.embed_tokens.qweight")
+    assert torch.equal(dequantize(embed, Q8_0), dense["model.embed_tokens.weight"])
     for name, t in ours.items():
         if name.endswith(".qweight"):
             assert t.dtype == torch.uint8 and t.shape[1] * 32 == dense[name.replace(".qweight", ".weight")].shape[1] * 20

@@ -3,8 +3,8 @@ blocks packed by hand from the published layouts, the "gguf" quantization method
 GGUFs (Q4_0, Q4_1, Q8_0 and K-quant tensors) loaded with their linear weights kept as blocks,
 against the same files dequantized.
 
-The CPU backend does not declare "gguf" (its reference kernel dequantizes on every call), so the
-model tests add it to the backend's quant_methods for their duration.
+The CPU backend declares "gguf" and packs such layers into its own layout at load
+(``chitu_cpu.packed``, tested in test_cpu_packed.py); these tests hold it to the dequantized file.
 """
 
 import json
@@ -272,10 +272,8 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def cpu_runs_gguf(monkeypatch, cache_dir):
-    from chitu_cpu.backend import CpuBackend
-
-    monkeypatch.setattr(CpuBackend, "quant_methods", lambda self: frozenset({"unquantized", "gguf"}))
+def cpu_runs_gguf(cache_dir):
+    """The CPU backend runs "gguf" (packed): a kept directory loads on it."""
 
 
 @pytest.fixture(scope="module")
@@ -387,7 +385,10 @@ def test_cache_key_and_marker_record_the_choice(tiny, tmp_path, monkeypatch, cac
 
 
 def test_without_gguf_in_the_backend_a_kept_dir_is_refused(tiny, tmp_path, monkeypatch, cache_dir):
+    from chitu_cpu.backend import CpuBackend
+
     hf, tok, _ = tiny
     path = write_quantized_gguf(tmp_path / "refused.gguf", hf, tok, layer_types(2, attn_output=Q8_0), monkeypatch)
+    monkeypatch.setattr(CpuBackend, "quant_methods", lambda self: frozenset({"unquantized"}))
     with pytest.raises(Exception, match=r"backend 'cpu' does not run quantization method 'gguf'"):
         LLM(model=resolve_model(path, keep_quantized=True), device="cpu", dtype="float32", load_progress=False)

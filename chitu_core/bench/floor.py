@@ -38,19 +38,21 @@ def copy_bandwidth(device: torch.device, synchronize: Callable[[], None], repeat
 
 def weight_bytes_read(model) -> int:
     """Bytes of the parameters a decode step multiplies with: all of them but an untied input
-    embedding (a tied one is read whole as the LM head)."""
-    seen, total = set(), 0
+    embedding (a tied one is read whole as the LM head), and the buffers of layers a backend packed
+    (``packed_*``, contract 1.7)."""
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    # On a pipeline stage either may be absent (a parameter-less stand-in).
-    head, table = getattr(lm_head, "weight", None), getattr(embed, "weight", None)
-    skip = table if table is not None and head is not table else None
+    # On a pipeline stage either may be absent (a parameter-less stand-in); a packed head holds buffers.
+    head = {id(p) for p in lm_head.parameters()} if isinstance(lm_head, torch.nn.Module) else set()
+    seen = {id(p) for p in embed.parameters()} - head if isinstance(embed, torch.nn.Module) else set()
+    total = 0
     for p in model.parameters():
-        if p is skip or id(p) in seen:
+        if id(p) in seen:
             continue
         seen.add(id(p))
         total += p.numel() * p.element_size()
-    return total
+    packed = (b for name, b in model.named_buffers() if name.rpartition(".")[2].startswith("packed_"))
+    return total + sum(b.numel() * b.element_size() for b in packed)
 
 
 def decode_kv_bytes(kv_bytes_per_token: int, batch_size: int, input_len: int, output_len: int) -> float:

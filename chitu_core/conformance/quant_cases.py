@@ -4,7 +4,8 @@ For each method and each of its ``conformance_options()`` (over the backend's ``
 each variant runs as labelled, whatever the engine would pick), a random float32 weight W [N, K] is quantized by the method's own
 ``quantize`` into checkpoint tensors; a layer on the backend's device (case dtype) and another on
 the CPU both get those tensors, go through ``process_weights_after_loading`` and ``apply``: the
-backend's with its resolved ops, the oracle with the reference ops on float64 activations. A method
+backend's with its resolved ops (or, where ``Backend.pack_linear`` takes the layer, contract 1.7,
+through the backend's packed object), the oracle with the reference ops on float64 activations. A method
 that cannot quantize (one written for contract 1.0) gets random values in every parameter instead
 (floating ones from a normal law scaled by 1/sqrt(in_features), integer ones with random bits).
 Methods registered but not declared by the backend are reported unsupported.
@@ -70,6 +71,7 @@ def run_quant_case(method_name: str, options: dict, shape: tuple, case: Case, ta
         _load(oracle_layer, values)
         method.process_weights_after_loading(layer)
         oracle_method.process_weights_after_loading(oracle_layer)
+        packed = target.backend.pack_linear(method, layer, dtype)  # contract 1.7: the backend's own layout, if it takes it
         with torch.no_grad():  # the oracle computes in float64 on the same values
             for t in list(oracle_layer.parameters()) + list(oracle_layer.buffers()):
                 if t.is_floating_point():
@@ -81,7 +83,10 @@ def run_quant_case(method_name: str, options: dict, shape: tuple, case: Case, ta
     gx = guard(x, device, "padded")
     gb = guard(b, device) if bias else None
     want = oracle_method.apply(oracle_layer, x.double(), None if b is None else b.double(), REFERENCE_OPS)
-    call = lambda: method.apply(layer, gx.view, None if gb is None else gb.view, target.ops)  # noqa: E731
+    if packed is not None:
+        call = lambda: packed(gx.view, None if gb is None else gb.view)  # noqa: E731
+    else:
+        call = lambda: method.apply(layer, gx.view, None if gb is None else gb.view, target.ops)  # noqa: E731
     try:
         got = call()
     except Exception as exc:  # the backend's own failure is the case's result
@@ -92,10 +97,11 @@ def run_quant_case(method_name: str, options: dict, shape: tuple, case: Case, ta
     if problem := check_tensor(got, (m, n), dtype, device, "output"):
         return Outcome(Verdict.fail(problem))
     verdict = compare(got, want, target.threshold(case))
-    source = ops_source(target, method_cls.kernels)
+    source = "packed" if packed is not None else ops_source(target, method_cls.kernels)
     perf = None
     if target.perf is not None:
-        weights = sum(nbytes(t) for t in list(layer.parameters()) + list(layer.buffers()))
+        held = packed.tensors().values() if packed is not None else list(layer.parameters()) + list(layer.buffers())
+        weights = sum(nbytes(t) for t in held)
         perf = time_call(target, call, weights + nbytes(gx.view, got), 2 * m * n * k)
     return Outcome(verdict, source, perf)
 

@@ -104,7 +104,7 @@ def markdown(results: list[CaseResult], env: dict, perf: bool = False) -> str:
              summary(results), "", matrix(results), "",
              "Source: native (the backend's), override (a hook plugin's), fallback (the core's reference; for the "
              "collectives, the default gloo process group), native+fallback (a case running several ops, some of "
-             "them the reference's). Cells: status (worst error against its threshold); — means the contract has no "
+             "them the reference's), packed (a quantized linear in the backend's own weight layout, contract 1.7). Cells: status (worst error against its threshold); — means the contract has no "
              "case in that dtype; † marks a threshold the backend declared. Thresholds: docs/conformance-thresholds.md."]
     if env["declared_thresholds"]:
         lines += ["", "## Declared thresholds", "", "| family or op | dtype | default | declared |", "|---|---|---|---|"]

@@ -31,7 +31,7 @@ class CaseResult:
     label: str
     family: str
     status: str  # one of STATUSES
-    source: str = ""  # native, override, fallback, or native+fallback (a case running several ops)
+    source: str = ""  # native, override, fallback, native+fallback (a case running several ops) or packed
     metric: str = ""
     error: float | None = None
     bound: float | None = None

@@ -30,7 +30,7 @@ from chitu_core.engine.sequence import Request, Sequence
 from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext
 from chitu_core.layers.cpu_experts import cpu_experts_for
-from chitu_core.layers.layout import store_linear_weights_transposed
+from chitu_core.layers.layout import pack_linear_layers, store_linear_weights_transposed
 from chitu_core.layers.stage import stage_layers
 from chitu_core.loader.dummy import fill_dummy_weights
 from chitu_core.loader.gguf import resolve_model
@@ -147,6 +147,7 @@ class LLMEngine:
         self.model.eval()
         if self.backend.transposed_linear_weights():
             store_linear_weights_transposed(self.model)
+        pack_linear_layers(self.model, self.backend)
 
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
         self.vocab_size = hf_config.vocab_size

@@ -61,7 +61,14 @@ class LinearBase(nn.Module):
             self.bias.out_dim, self.bias.out_pack = 0, 1
         else:
             self.register_parameter("bias", None)
+        self.packed = None  # a PackedLinear where the backend took the layer over (contract 1.7)
         self.set_quant_method(ctx.new_quant_method())
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias): by the backend's packed weight where it took the layer, else by the method."""
+        if self.packed is not None:
+            return self.packed(x, bias)
+        return self.quant.apply(self, x, bias, self.ops)
 
     def set_quant_method(self, method: QuantMethod) -> None:
         """(Re)create the weights with ``method`` (e.g. unquantized for a layer a checkpoint leaves so)."""
@@ -82,7 +89,7 @@ class LinearBase(nn.Module):
         copy_span(param, loaded, None, None, None, "replicated linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant.apply(self, x, self.bias, self.ops)
+        return self.product(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -190,7 +197,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once: after the sum over ranks, or before it on rank 0 alone.
-        out = self.quant.apply(self, x, None, self.ops)
+        out = self.product(x, None)
         if self.reduce:
             out = self.comm.all_reduce(out)
         elif self.tp_rank != 0:

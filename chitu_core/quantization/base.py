@@ -172,6 +172,18 @@ class QuantMethod(ABC):
         (``ops.fused_experts``' semantics, with this method's weights)."""
         raise NotImplementedError(f"quantization method {self.name!r} cannot run MoE experts")
 
+    @classmethod
+    def table_options(cls, quantization_config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
+        """Options for a vocabulary table (``module``: the input embedding or an untied LM head) that
+        the checkpoint stores in this format, or None where it keeps the table dense (the default)."""
+        return None
+
+    def lookup(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of a quantized vocabulary table (``table_options``) as float32 [len(ids), H].
+        Default: the whole table dequantized, then indexed (correct, slow); a method with tables
+        overrides it."""
+        return self.dequantize(layer)[ids]
+
     def weight_bytes(self, layer: nn.Module) -> int:
         """Bytes ``apply`` reads from the layer's parameters and buffers (the bench's floor)."""
         tensors = list(layer.parameters(recurse=False)) + list(layer.buffers(recurse=False))

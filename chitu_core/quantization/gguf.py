@@ -76,6 +76,11 @@ class GGUFMethod(QuantMethod):
         return {"qtype": found.pop()}
 
     @classmethod
+    def table_options(cls, quantization_config, module):
+        qtype = _tensor_types(quantization_config).get(f"{module}.weight")
+        return None if qtype is None else {"qtype": qtype}
+
+    @classmethod
     def conformance_options(cls):
         return [{"qtype": qtype} for qtype in QUANTIZABLE]
 
@@ -104,6 +109,9 @@ class GGUFMethod(QuantMethod):
 
     def dequantize(self, layer):
         return dequantize(layer.qweight, self.qtype)
+
+    def lookup(self, layer, ids):
+        return dequantize(layer.qweight[ids], self.qtype)  # the rows' blocks only
 
     def apply(self, layer, x, bias, ops):
         return ops.gguf_linear(x, layer.qweight, self.qtype, bias)

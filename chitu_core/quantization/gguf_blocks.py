@@ -147,6 +147,43 @@ def dequantize(qbytes: Tensor, qtype: int) -> Tensor:
     return _DEQUANTIZE[qtype](blocks).reshape(*lead, nbytes // b * e)
 
 
+# --- the same numbers as integers times per-group affine maps ------------------------------------
+
+
+AFFINE_BITS = {Q4_0: 4, Q4_1: 4, Q8_0: 8, Q4_K: 4, Q5_K: 5}
+"""Types whose every group of 32 consecutive elements is an affine map of unsigned integers (``affine_groups``),
+and the integers' width. Q6_K is not: its scales change every 16 elements."""
+
+
+def affine_groups(qbytes: Tensor, qtype: int) -> tuple[Tensor, Tensor, Tensor]:
+    """uint8 [N, K / E * B] -> (q int32 [N, K] in [0, 2 ** AFFINE_BITS[qtype]), scale and offset float32
+    [N, K / 32]) with w[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32], what ``dequantize``
+    gives, for a kernel that wants integers and per-group maps rather than blocks. Q8_0's int8 q becomes
+    q + 128 (offset -128 d)."""
+    e, b = check_qtype(qtype)
+    if qtype not in AFFINE_BITS:
+        raise ValueError(f"GGUF {type_name(qtype)} has no groups of 32 with one scale each; types that do: "
+                         f"{', '.join(NAMES[t] for t in AFFINE_BITS)}")
+    n, nbytes = qbytes.shape
+    blocks = qbytes.reshape(-1, b)
+    if qtype in (Q4_0, Q4_1):
+        qs = _u8(blocks, 2 if qtype == Q4_0 else 4, b)
+        q, d = torch.cat([qs & 0xF, qs >> 4], dim=1), _half(blocks, 0)
+        scale, offset = d, (-8 * d if qtype == Q4_0 else _half(blocks, 2))
+    elif qtype == Q8_0:
+        d = _half(blocks, 0)
+        q, scale, offset = _int8(_u8(blocks, 2, 34)) + 128, d, -128 * d
+    else:  # Q4_K, Q5_K: eight sub-blocks of 32
+        q = _nibbles_by_sub_block(_u8(blocks, 16 if qtype == Q4_K else 48, b))
+        if qtype == Q5_K:
+            bit = torch.arange(8, dtype=torch.int32, device=blocks.device)
+            q = q | ((((_u8(blocks, 16, 48)[:, None, :] >> bit[None, :, None]) & 1)) << 4)
+        sc, mn = scale_min_k4(_u8(blocks, 4, 16))
+        scale, offset = _half(blocks, 0) * sc.to(torch.float32), -(_half(blocks, 2) * mn.to(torch.float32))
+    k = nbytes // b * e
+    return q.reshape(n, k), scale.reshape(n, k // 32), offset.reshape(n, k // 32)
+
+
 # --- random blocks for tests and conformance -----------------------------------------------------
 
 

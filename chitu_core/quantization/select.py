@@ -114,8 +114,10 @@ def _matches(name: str, pattern: str) -> bool:
 def apply_layer_choices(model: nn.Module, spec: QuantSpec, unfused: Mapping[str, tuple[str, ...]] = {}) -> list[str]:
     """Rebuild the linear layers of ``model`` whose method differs from the model-wide one: unquantized
     where ``spec.ignored`` names them, with their own options where the method's ``layer_options``
-    gives some. A fused layer (``qkv_proj``) matches when any of its checkpoint parts (``unfused``:
+    gives some; and the vocabulary tables the checkpoint stores quantized (``table_options``; a tied
+    LM head then shares its embedding's). A fused layer (``qkv_proj``) matches when any of its checkpoint parts (``unfused``:
     fused name -> part names, e.g. q_proj, k_proj, v_proj) does. Returns the rebuilt layers' names."""
+    from chitu_core.layers.embedding import LMHead, VocabEmbedding
     from chitu_core.layers.linear import LinearBase
 
     if spec.method == "unquantized":
@@ -123,6 +125,11 @@ def apply_layer_choices(model: nn.Module, spec: QuantSpec, unfused: Mapping[str,
     cls = get_quant_method(spec.method)
     rebuilt = []
     for name, module in model.named_modules():
+        if isinstance(module, VocabEmbedding) and getattr(module, "tied", None) is None and spec.checkpoint_config:
+            if (options := cls.table_options(spec.checkpoint_config, name)) is not None:
+                module.set_quant_method(spec.new_method(options))
+                rebuilt.append(name)
+            continue
         if not isinstance(module, LinearBase):
             continue
         short = name.rsplit(".", 1)[-1]
@@ -132,5 +139,9 @@ def apply_layer_choices(model: nn.Module, spec: QuantSpec, unfused: Mapping[str,
             rebuilt.append(name)
         elif spec.checkpoint_config and (options := cls.layer_options(spec.checkpoint_config, name, parts)) is not None:
             module.set_quant_method(spec.new_method(options))
+            rebuilt.append(name)
+    for name, module in model.named_modules():
+        if isinstance(module, LMHead) and module.tied is not None and module.tied.quant is not None:
+            module.share_quantized_table()
             rebuilt.append(name)
     return rebuilt

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from chitu_core.attention.contract import VARIANTS, AttentionBackend, AttentionMetadata
-from chitu_core.attention.reference import causal_mask, gather_kv, packed_to_padded_index, paged_attention, write_kv
+from chitu_core.attention.reference import causal_mask, packed_to_padded_index, paged_attention, write_kv
 
 
 @dataclass
@@ -51,23 +51,50 @@ class CpuSdpaAttention(AttentionBackend):
             return paged_attention(q, k, v, kv_cache, meta, scale, kv_scale, softcap, window)
         state: CpuStepState = meta.backend_state
         mask = state.mask if window is None else state.windowed(meta, window)
-        write_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
-        keys, values = gather_kv(kv_cache, meta)  # [B, S, Hk, D]
-        v_scale = None
-        if kv_scale is not None:  # an fp8 cache
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-            k_scale, v_scale = kv_scale.tolist()
-            scale *= k_scale
-        b, hq, d = meta.num_seqs, q.shape[1], q.shape[2]
-        q_pad = q.new_zeros(b, meta.max_query_len, hq, d)
-        q_pad[state.seq_idx, state.pos] = q
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [B, Hq, max_q, D]
-        out = out.transpose(1, 2)[state.seq_idx, state.pos]
-        return out if v_scale is None else (out.float() * v_scale).to(q.dtype)
+        call = paged_sdpa_op if torch.compiler.is_compiling() else paged_sdpa  # the op: opaque to a compiled step
+        return call(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, state.seq_idx, state.pos, mask, scale,
+                    kv_scale)
+
+
+def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               block_tables: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, scale: float,
+               kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """One layer's step: the cache write, the gather through the block tables (the mask's
+    [B, 1, max_query_len, max_seq_len] gives the sizes) and one SDPA call for the batch."""
+    write_kv(kv_cache, k, v, slot_mapping, kv_scale)
+    b, _, max_q, max_s = mask.shape
+    block_size = kv_cache.shape[2]
+    n_blocks = -(-max_s // block_size)
+    tables = block_tables[:, :n_blocks].long()
+    keys = kv_cache[0][tables].reshape(b, n_blocks * block_size, *kv_cache.shape[3:])[:, :max_s]
+    values = kv_cache[1][tables].reshape(b, n_blocks * block_size, *kv_cache.shape[3:])[:, :max_s]
+    v_scale = None
+    if kv_scale is not None:  # an fp8 cache
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        k_scale, v_scale = kv_scale.tolist()
+        scale *= k_scale
+    hq, d = q.shape[1], q.shape[2]
+    if max_q == 1:  # decode: one row per sequence, nothing to pad
+        q_pad = q[:, None]
+    else:
+        q_pad = q.new_zeros(b, max_q, hq, d)
+        q_pad[seq_idx, pos] = q
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale, enable_gqa=hq != keys.shape[2])  # [B, Hq, max_q, D]
+    out = out.transpose(1, 2)[seq_idx, pos]
+    return out if v_scale is None else (out.float() * v_scale).to(q.dtype)
+
+
+
+@torch.library.custom_op("chitu_cpu::paged_sdpa", mutates_args=("kv_cache",))
+def paged_sdpa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, scale: float,
+                  kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """``paged_sdpa`` as an operator for torch.compile: the compiled step calls it as it is, and takes its
+    sizes from the tensors rather than specialising on them."""
+    return paged_sdpa(q, k, v, kv_cache, slot_mapping, block_tables, seq_idx, pos, mask, scale, kv_scale)
+
+
+@paged_sdpa_op.register_fake
+def _(q, k, v, kv_cache, slot_mapping, block_tables, seq_idx, pos, mask, scale, kv_scale):
+    return torch.empty_like(q)

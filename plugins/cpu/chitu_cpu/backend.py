@@ -7,6 +7,7 @@ import torch
 
 from chitu_core.backend import Availability, Backend, MemoryInfo, host_memory_info
 from chitu_cpu import ops
+from chitu_cpu.packed import pack_linear
 from chitu_cpu.attention import CpuSdpaAttention
 from chitu_cpu.mla import CpuSdpaMLAAttention
 
@@ -14,7 +15,7 @@ from chitu_cpu.mla import CpuSdpaMLAAttention
 class CpuBackend(Backend):
     name = "cpu"
     device_type = "cpu"
-    contract_version = "1.6"
+    contract_version = "1.7"
     priority = 0  # any accelerator backend should win under device="auto"
 
     def is_available(self) -> Availability:
@@ -50,10 +51,13 @@ class CpuBackend(Backend):
         return "gloo"
 
     def quant_methods(self) -> frozenset[str]:
-        """Every weight format but GGUF runs here on the core's reference ops (a dequantization per call:
-        correct, not fast). GGUF files are dequantized once at load instead, which is faster here until
-        this backend has GGUF kernels of its own."""
-        return frozenset({"unquantized", "fp8", "int8", "awq", "gptq"})
+        """GGUF (but Q6_K), AWQ and GPTQ layers are repacked at load into PyTorch's int4pack layout
+        (``pack_linear``); the rest run on the core's reference ops (a dequantization per call: correct,
+        not fast)."""
+        return frozenset({"unquantized", "fp8", "int8", "awq", "gptq", "gguf"})
+
+    def pack_linear(self, method, layer, dtype):
+        return pack_linear(method, layer, dtype)
 
     def kv_cache_budget(self, index: int = 0) -> int:
         # Host memory is shared with everything else (and zero-filling it costs seconds per GiB):

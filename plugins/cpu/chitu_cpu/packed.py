@@ -1,0 +1,105 @@
+"""4-bit weights in PyTorch's CPU int4pack layout (contract 1.7's ``Backend.pack_linear``).
+
+``torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, G, sz)`` multiplies x [M, K] by a weight packed
+from 4-bit values q [N, K] (``_convert_weight_to_int4pack_for_cpu``) with one scale s and one zero z
+per group of G consecutive k: W[n, k] = (q[n, k] - 8) * s + z, where sz [K / G, N, 2] holds (s, z) in
+x's dtype. It reads half a byte per weight and dequantizes in registers (AVX-512 where present).
+
+Any weight that is an affine map of unsigned b-bit integers per group, w = q * scale + offset, fits:
+q is cut into ceil(b / 4) hex digits, digit i a part of its own with scale 16^i * scale, and the parts
+are laid side by side along K, so one call on x repeated once per part ([x, x] for 8 bits) sums them;
+each part's zero returns the 8 it subtracts, and the offset joins one part's zero per group. That covers GGUF's Q4_0,
+Q4_1, Q4_K (one part), Q5_K and Q8_0 (two), and the int4 layout AWQ and GPTQ repack to (W = (q - z) s).
+The scales and zeros are rounded to the model dtype (in float32: exact for GGUF's half-float scales).
+
+GGUF weights that do not fit (Q6_K, whose scales change every 16 elements, or N not a multiple of 16)
+are dequantized once into the model dtype (``DenseLinear``) rather than at every call. Declined (the
+method's own ops run instead): int4 group sizes other than 32, 64, 128 or 256, N not a multiple of 16,
+an act-order permutation, other methods.
+"""
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from chitu_core.backend import PackedLinear
+from chitu_core.quantization.gguf_blocks import AFFINE_BITS, affine_groups, dequantize
+
+GROUP_SIZES = (32, 64, 128, 256)
+INNER_K_TILES = 2
+
+
+class Int4PackLinear(PackedLinear):
+    """W [N, K] as ``parts`` int4pack parts side by side along K (see the module docstring)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group: int,
+                 dtype: torch.dtype):
+        """q int32 [N, K] in [0, 2 ** bits); scale, offset float32 [N, K / group]: W = q * scale + offset."""
+        n, k = q.shape
+        self.parts, self.group, self.n, self.k = -(-bits // 4), group, n, k
+        digits = [(q >> (4 * i)) & 0xF for i in range(self.parts)]
+        scales = [(scale * 16**i).to(dtype).float() for i in range(self.parts)]  # rounded first: 8 s is then exact
+        # Each part computes (digit - 8) * s + z: its z gives its own 8 s back, and in each group the offset
+        # joins the part where the sum is smallest, so that rounding z to the dtype costs least.
+        zeros = torch.stack([8 * s for s in scales])
+        with_offset = zeros + offset
+        pick = with_offset.abs().argmin(0, keepdim=True)
+        zeros = zeros.scatter(0, pick, with_offset.gather(0, pick))
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(digits, 1).contiguous(),
+                                                                         INNER_K_TILES)
+        self.scales_zeros = torch.stack([torch.cat(scales, 1), torch.cat(list(zeros), 1)], -1).transpose(0, 1).to(dtype).contiguous()
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return {"weight": self.weight, "scales_zeros": self.scales_zeros}
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.k)
+        if self.parts > 1:
+            x = x.repeat(1, self.parts)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.weight, self.group, self.scales_zeros)
+        if bias is not None:
+            y += bias
+        return y.reshape(*lead, self.n)
+
+
+class DenseLinear(PackedLinear):
+    """W dequantized once into the model dtype."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+
+def pack_linear(method, layer, dtype: torch.dtype) -> PackedLinear | None:
+    """``Backend.pack_linear`` for the CPU: GGUF blocks of a 32-group type, and the int4 layout."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if method.name == "gguf":
+        qweight, qtype = layer.qweight, method.options["qtype"]
+        if qtype not in AFFINE_BITS or qweight.shape[0] % 16:
+            return DenseLinear(dequantize(qweight, qtype).to(dtype))
+        q, scale, offset = affine_groups(qweight, qtype)
+        return Int4PackLinear(q, scale, offset, AFFINE_BITS[qtype], 32, dtype)
+    if "int4_linear" in getattr(method, "kernels", ()) and getattr(layer, "perm", None) is None \
+            and {"qweight", "scales", "zeros"} <= {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_buffers()}:
+        return _pack_int4(layer, dtype)
+    return None
+
+
+def _pack_int4(layer, dtype: torch.dtype) -> Int4PackLinear | None:
+    """The int4 op's layout (qweight int32 [K/8, N], scales/zeros [K/G, N]; W = (q - z) * s)."""
+    qweight, scales, zeros = layer.qweight, layer.scales.float(), layer.zeros.float()
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    group = k // scales.shape[0]
+    if n % 16 or group not in GROUP_SIZES:
+        return None
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    q = ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(k, n).t().contiguous()
+    return Int4PackLinear(q, scales.t().contiguous(), (-zeros * scales).t().contiguous(), 4, group, dtype)
