@@ -21,12 +21,18 @@ from typing import Any
 
 import torch
 
+from chitu_core.bench import peer_llamacpp
 from chitu_core.bench.floor import (RoutedExperts, aggregate_floor, copy_bandwidth, decode_kv_bytes, gather_floors,
                                     weight_bytes_read)
 from chitu_core.bench.peer import choose_peer, run_hf
 from chitu_core.engine.llm import LLM
+from chitu_core.loader.gguf import default_model_file, resolve_model
 from chitu_core.loader.hf import open_model_dir
+from chitu_core.plugins.discovery import get_backend
 from chitu_core.sampling.params import SamplingParams
+
+
+PEER_NAMES = {"none": None, "hf": "transformers", "llama.cpp": peer_llamacpp.NAME}
 
 
 @dataclass
@@ -136,17 +142,21 @@ def _measure(run: BatchRun, batch: int, input_len: int) -> dict[str, Any]:
 
 
 def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Load the model, warm up, run the measured batch ``--runs`` times and report the run of median
-    decode rate (what --json prints); with ``--peer hf``, then transformers on the same prompts, as
-    ``peer.choose_peer`` decides for a quantized run (``peer: null`` and ``peer_unavailable``, the
-    reason, where transformers cannot run it). With ``--load-format dummy`` both draw random weights on
-    the device from config.json alone, each its own: only speed compares. Under torchrun every rank
-    runs the batch and measures its own floor; rank 0 returns the report (with ``floor_ranks``), the
-    others None."""
+    """Load the model (an HF directory or a GGUF file; none: the embedded default's GGUF), warm up, run
+    the measured batch ``--runs`` times and report the run of median decode rate (what --json prints).
+    Then the peer, on the same prompts: ``--peer hf`` transformers, as ``peer.choose_peer`` decides for a
+    quantized run; ``--peer llama.cpp`` llama.cpp on the same GGUF file at batch 1 (``peer_llamacpp``).
+    Where the peer cannot run: ``peer: null`` and ``peer_unavailable``, the reason. With ``--load-format
+    dummy`` ours and transformers draw random weights on the device from config.json alone, each its
+    own: only speed compares. Under torchrun every rank runs the batch and measures its own floor; rank
+    0 returns the report (with ``floor_ranks``), the others None."""
     dummy = args.load_format == "dummy"
-    hf = open_model_dir(args.model, require_weights=not dummy).config
+    model = args.model or str(default_model_file())
+    # The directory the engine reads: a GGUF converted (cached) as the engine converts it, anything else as is.
+    model_dir = resolve_model(model, keep_quantized="gguf" in get_backend(args.device).quant_methods())
+    hf = open_model_dir(model_dir, require_weights=not dummy).config
     llm = LLM(
-        args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, load_progress=False,
+        model, device=args.device, dtype=args.dtype, load_format=args.load_format, load_progress=False,
         profile_steps=args.profile, max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 1),
         num_threads=args.threads, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
@@ -166,7 +176,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
     rates = [m["decode_tok_per_s"] or m["output_tok_per_s"] for m in measured]
     median = sorted(range(len(measured)), key=lambda i: rates[i])[len(measured) // 2]
     report = {
-        "model": str(args.model),
+        "model": model,
         "architecture": hf.architectures[0],
         "load_format": args.load_format,
         "model_config": {
@@ -202,28 +212,43 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
     report["floor"] = floor
     if report["decode_tok_per_s"]:
         report["floor_fraction"] = round(report["decode_tok_per_s"] / floor["decode_tok_per_s"], 4)
-    if args.peer == "hf" and parallel.world.world_size > 1:
-        report["peer"], report["peer_unavailable"] = None, "transformers runs on one device; this run has several ranks"
-    elif args.peer == "hf":
-        device, dtype, backend, index = engine.device, engine.dtype, engine.backend, engine.device_index
-        sync = lambda: backend.synchronize(index)  # noqa: E731
-        del engine, llm
-        gc.collect()
+    if args.peer == "none":
+        return report
+    name = PEER_NAMES[args.peer]
+    report["peer_name"] = name
+    device, dtype, backend, index = engine.device, engine.dtype, engine.backend, engine.device_index
+    del engine, llm
+    gc.collect()
+    if parallel.world.world_size > 1:
+        why = f"{name} runs on one device; this run has several ranks"
+    elif args.peer == "llama.cpp":
+        why = peer_llamacpp.missing() if peer_llamacpp.is_gguf(model) else peer_llamacpp.not_gguf_reason(model)
+    else:
         choice = choose_peer(getattr(hf, "quantization_config", None), args.quantization, device, dtype, dummy)
-        if isinstance(choice, str):
-            report["peer"], report["peer_unavailable"] = None, choice
-            return report
-        prompts = random_prompts(B, I, hf.vocab_size, args.seed)
-        try:
-            peer = run_hf(args.model, device, dtype, prompts, O, args.peer_runs, sync, dummy=dummy, peer=choice)
-        except Exception as exc:  # the peer's failure is reported, ours still stands
-            peer = {"mode": "failed", "error": f"{type(exc).__name__}: {exc}"[:500], "output_tok_per_s": None,
-                    "decode_tok_per_s": None}
-        if peer["decode_tok_per_s"]:
+        why = choice if isinstance(choice, str) else None
+    if why is not None:
+        report["peer"], report["peer_unavailable"] = None, why
+        return report
+    prompts = random_prompts(B, I, hf.vocab_size, args.seed)
+    try:
+        if args.peer == "llama.cpp":
+            peer = peer_llamacpp.run_llamacpp(model, prompts, O, report["threads"], args.peer_runs)
+        else:
+            sync = lambda: backend.synchronize(index)  # noqa: E731
+            peer = {"name": name, **run_hf(model_dir, device, dtype, prompts, O, args.peer_runs, sync, dummy=dummy,
+                                           peer=choice)}
+    except Exception as exc:  # the peer's failure is reported, ours still stands
+        peer = {"name": name, "mode": "failed", "error": f"{type(exc).__name__}: {exc}"[:500], "output_tok_per_s": None,
+                "decode_tok_per_s": None}
+    if peer["decode_tok_per_s"]:
+        if args.peer == "hf":  # llama.cpp reads the file's quantized blocks, not the bytes our floor counts
             peer["floor_fraction"] = round(peer["decode_tok_per_s"] / floor["decode_tok_per_s"], 4)
-            if report["decode_tok_per_s"]:
-                report["speedup_over_peer"] = round(report["decode_tok_per_s"] / peer["decode_tok_per_s"], 3)
-        report["peer"] = peer
+        if report["decode_tok_per_s"]:
+            report["speedup_over_peer"] = round(report["decode_tok_per_s"] / peer["decode_tok_per_s"], 3)
+            if peer.get("batch_size", B) != B:  # llama.cpp's one sequence against each of ours
+                report["per_sequence_speedup_over_peer"] = round(
+                    report["decode_tok_per_s"] / B / peer["decode_tok_per_s"], 3)
+    report["peer"] = peer
     return report
 
 
@@ -264,26 +289,37 @@ def render(r: dict[str, Any]) -> str:
                   f"{g['weight_bytes'] / 1e9:.3f} GB weights + {g['kv_bytes_mean'] / 1e9:.3f} GB KV at "
                   f"{g['copy_gbps']:.0f} GB/s" for g in r["floor_ranks"]]
     if "peer" in r:
-        p = r["peer"]
-        if p is None:
-            lines.append(f"peer     transformers not run: {r['peer_unavailable']}")
-            return "\n".join(lines)
-        if p["mode"] == "failed":
-            lines.append(f"peer     transformers failed: {p['error']}")
-            return "\n".join(lines)
-        line = f"peer     transformers ({p['mode']}): {p['output_tok_per_s']:.1f} tok/s in all"
-        if p["decode_tok_per_s"]:
-            line += f", decode {p['decode_tok_per_s']:.1f} tok/s ({p['floor_fraction']:.1%} of the floor)"
-        if "speedup_over_peer" in r:
-            line += f"; chitu/transformers decode {r['speedup_over_peer']:.2f}x"
-        if p.get("weights") == "own random":
-            line += "; weights differ (transformers drew its own): speed only"
-        lines.append(line)
+        lines.append(_peer_line(r))
     return "\n".join(lines)
 
 
+def _peer_line(r: dict[str, Any]) -> str:
+    p = r["peer"]
+    name = (p or {}).get("name") or r.get("peer_name", "transformers")  # reports older than the name say transformers
+    if p is None:
+        return f"peer     {name} not run: {r['peer_unavailable']}"
+    if p["mode"] == "failed":
+        return f"peer     {name} failed: {p['error']}"
+    line = f"peer     {name} ({p['mode']}): {p['output_tok_per_s']:.1f} tok/s in all"
+    if p["decode_tok_per_s"]:
+        line += f", decode {p['decode_tok_per_s']:.1f} tok/s"
+        if "floor_fraction" in p:
+            line += f" ({p['floor_fraction']:.1%} of the floor)"
+    if "speedup_over_peer" in r:
+        line += f"; chitu/{name} decode {r['speedup_over_peer']:.2f}x"
+    if "per_sequence_speedup_over_peer" in r:
+        line += (f" (chitu's batch of {r['batch_size']} in all against {name}'s one sequence; "
+                 f"per sequence {r['per_sequence_speedup_over_peer']:.2f}x)")
+    if p.get("weights") == "own random":
+        line += f"; weights differ ({name} drew its own): speed only"
+    elif p.get("weights", "checkpoint") != "checkpoint":  # llama.cpp: what it made of the file
+        line += f"; {name} on {p['weights']}"
+    return line
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF model directory")
+    parser.add_argument("--model", default=None,
+                        help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("--device", default="auto", help="backend name, or auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -299,9 +335,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="host threads (default: the backend's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random prompts")
     parser.add_argument("--runs", type=int, default=1, help="measured runs; the report shows the one of median decode rate")
-    parser.add_argument("--peer", choices=["none", "hf"], default="none",
+    parser.add_argument("--peer", choices=list(PEER_NAMES), default="none",
                         help="hf: also run transformers on the same model, device and prompts, and compare "
-                        "(quantized: as transformers runs the format, or a line saying why not; docs/quantization.md)")
+                        "(quantized: as transformers runs the format, or a line saying why not; docs/quantization.md); "
+                        "llama.cpp: llama.cpp on the same GGUF file, the first prompt at batch 1, on --threads "
+                        "host threads (needs llama-cpp-python: pip install 'chitu-core[bench-llamacpp]')")
     parser.add_argument("--peer-runs", type=int, default=1, help="measured runs of the peer (median)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="time each step's forward (one more device sync a step)")
