@@ -2,10 +2,10 @@
 quantized.
 
 Each GGUF type is packed from random blocks and multiplied against the reference dequantizer in
-float64 (the K-quants come only from files, so the conformance suite, which quantizes, cannot make
+float64, within bfloat16's rounding (the kernel's; the K-quants come only from files, so the conformance suite, which quantizes, cannot make
 them); AWQ's int4 layout likewise. Then tiny Llama GGUFs whose token embedding (tied to the LM head,
 or not, with a quantized head of its own) load with every table and linear kept in blocks, packed,
-and match the same files dequantized: logits within float32 rounding, greedy tokens equal.
+and match the same files dequantized (``packed_checks``: they multiply in bfloat16).
 """
 
 import json
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from chitu_core import LLM, SamplingParams
+from chitu_core import LLM
 from chitu_core.layers.embedding import LMHead
 from chitu_core.layers.linear import LinearBase
 from chitu_core.loader import resolve_model
@@ -25,7 +25,7 @@ from chitu_core.quantization.gguf import GGUFMethod
 from chitu_core.quantization.gguf_blocks import (AFFINE_BITS, BLOCK, NAMES, Q4_0, Q4_1, Q6_K, Q8_0, affine_groups,
                                                  dequantize, random_blocks)
 from chitu_cpu.packed import DenseLinear, Int4PackLinear, pack_linear
-from test_models import batched_last_logits
+from packed_checks import assert_matches_dequantized
 from test_quant_gguf import PROMPTS, SIZES, layer_types, write_quantized_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -65,15 +65,15 @@ def test_each_gguf_type_packs_and_multiplies_like_its_dequantization(qtype, dtyp
     want = x.double() @ dequantize(layer.qweight, qtype).double().t() + bias.double()
     got = packed(x, bias)
     assert got.shape == (5, 48) and got.dtype == dtype
-    assert _nmse(got, want) <= (1e-10 if dtype == torch.float32 else 1e-4)
+    assert _nmse(got, want) <= 1e-4  # both dtypes multiply in bfloat16 (the module docstring)
 
 
 def test_eight_bit_weights_take_twice_the_nibbles_and_x_twice():
     method, layer = _gguf_layer(Q8_0, 32, 256)
     packed = pack_linear(method, layer, torch.float32)
     assert packed.parts == 2 and packed.scales_zeros.shape == (2 * 256 // 32, 32, 2)
-    x = torch.randn(3, 256)
-    assert _nmse(packed(x, None), x.double() @ dequantize(layer.qweight, Q8_0).double().t()) <= 1e-10
+    x = torch.randn(3, 256).bfloat16().float()  # what the kernel multiplies: no rounding of x left to blame
+    assert _nmse(packed(x, None), x.double() @ dequantize(layer.qweight, Q8_0).double().t()) <= 3e-5
 
 
 def test_rows_not_a_multiple_of_16_are_dequantized_once():
@@ -94,7 +94,7 @@ def test_awq_packs_its_int4_layout(group_size):
     assert isinstance(packed, Int4PackLinear)
     x = torch.randn(4, 256)
     want = method.apply(layer, x.double(), None, resolve_ops("reference", {}))
-    assert _nmse(packed(x, None), want.double()) <= 1e-10
+    assert _nmse(packed(x, None), want.double()) <= 1e-4
 
 
 def test_other_methods_are_declined():
@@ -141,6 +141,7 @@ def test_kept_vocabulary_tables_match_the_dequantized_file(tied, embed_type, hea
     assert qc["tensor_types"].get("lm_head.weight") == head_type
     opts = dict(device="cpu", dtype="float32", load_progress=False, max_model_len=256, max_num_seqs=4)
     kept, dense = LLM(model=str(kept_dir), **opts), LLM(model=resolve_model(path), **opts)
+    dense_bf16 = LLM(model=resolve_model(path), **{**opts, "dtype": "bfloat16"})
 
     model = kept.engine.model
     embed, head = model.model.embed_tokens, model.lm_head
@@ -150,8 +151,4 @@ def test_kept_vocabulary_tables_match_the_dequantized_file(tied, embed_type, hea
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(isinstance(m.packed, Int4PackLinear) and not hasattr(m, "qweight") for m in linears)
 
-    ours, ref = batched_last_logits(kept, PROMPTS), batched_last_logits(dense, PROMPTS)
-    assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
-    prompts, params = [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=8, temperature=0)
-    assert [o.outputs[0].token_ids for o in kept.generate(prompts, params)] == \
-           [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
+    assert_matches_dequantized(kept, dense, dense_bf16, PROMPTS)

@@ -4,7 +4,8 @@ GGUFs (Q4_0, Q4_1, Q8_0 and K-quant tensors) loaded with their linear weights ke
 against the same files dequantized.
 
 The CPU backend declares "gguf" and packs such layers into its own layout at load
-(``chitu_cpu.packed``, tested in test_cpu_packed.py); these tests hold it to the dequantized file.
+(``chitu_cpu.packed``, tested in test_cpu_packed.py; it multiplies in bfloat16); these tests hold it
+to the dequantized file (``packed_checks``).
 """
 
 import json
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from builders import build_model, save_tokenizer, write_llama_gguf
-from chitu_core import LLM, SamplingParams
+from chitu_core import LLM
 from chitu_core.errors import ModelLoadError
 from chitu_core.loader import gguf as gguf_loader
 from chitu_core.loader import resolve_model
@@ -26,7 +27,7 @@ from chitu_core.quantization import UnquantizedMethod
 from chitu_core.quantization.gguf import GGUFMethod
 from chitu_core.quantization.gguf_blocks import (BLOCK, NAMES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, dequantize,
                                                  random_blocks)
-from test_models import batched_last_logits
+from packed_checks import assert_matches_dequantized
 
 gguf = pytest.importorskip("gguf")
 TYPES = list(BLOCK)
@@ -293,6 +294,11 @@ def _pair(path: Path) -> tuple[LLM, LLM, Path]:
     return LLM(model=str(kept_dir), **opts), LLM(model=str(dense_dir), **opts), kept_dir
 
 
+def _dense_bf16(path: Path) -> LLM:
+    return LLM(model=resolve_model(path), device="cpu", dtype="bfloat16", load_progress=False, max_model_len=256,
+               max_num_seqs=4)
+
+
 def _methods(llm: LLM) -> dict[str, str]:
     from chitu_core.layers.linear import LinearBase
 
@@ -330,11 +336,7 @@ def test_kept_quantized_load_matches_the_dequantized_one(types, tiny, tmp_path, 
     assert methods["model.layers.1.mlp.down_proj"] == ("gguf", types["ffn_down"])
     assert set(_methods(dense).values()) == {("unquantized", None)}
 
-    ours, ref = batched_last_logits(kept, PROMPTS), batched_last_logits(dense, PROMPTS)
-    assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
-    prompts, params = [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=6, temperature=0)
-    assert [o.outputs[0].token_ids for o in kept.generate(prompts, params)] == \
-           [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
+    assert_matches_dequantized(kept, dense, _dense_bf16(path), PROMPTS)
 
 
 def test_mixed_fused_groups_and_other_types_stay_dense(tiny, tmp_path, monkeypatch, cpu_runs_gguf):
@@ -359,8 +361,7 @@ def test_mixed_fused_groups_and_other_types_stay_dense(tiny, tmp_path, monkeypat
     assert methods["model.layers.0.mlp.down_proj"] == ("gguf", Q6_K)
     assert methods["model.layers.1.mlp.down_proj"] == ("unquantized", None)
     assert isinstance(kept.engine.model.model.layers[0].self_attn.qkv_proj.quant, UnquantizedMethod)
-    ours, ref = batched_last_logits(kept, PROMPTS), batched_last_logits(dense, PROMPTS)
-    assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    assert_matches_dequantized(kept, dense, _dense_bf16(path), PROMPTS)
 
 
 def test_a_gguf_with_nothing_to_keep_gets_no_quantization_config(tiny, tmp_path, cache_dir):

@@ -10,7 +10,10 @@ q is cut into ceil(b / 4) hex digits, digit i a part of its own with scale 16^i 
 are laid side by side along K, so one call on x repeated once per part ([x, x] for 8 bits) sums them;
 each part's zero returns the 8 it subtracts, and the offset joins one part's zero per group. That covers GGUF's Q4_0,
 Q4_1, Q4_K (one part), Q5_K and Q8_0 (two), and the int4 layout AWQ and GPTQ repack to (W = (q - z) s).
-The scales and zeros are rounded to the model dtype (in float32: exact for GGUF's half-float scales).
+The scales and zeros are rounded to the activations' dtype. PyTorch's kernel is vectorized for bfloat16
+only (float32 and float16 take a scalar path some 30x slower), so a float32 or float16 model multiplies
+in bfloat16: x is rounded to it and the product cast back. That costs float32 its usual precision (the
+backend declares the wider quant_matmul threshold this needs; the suite shows it).
 
 GGUF weights that do not fit (Q6_K, whose scales change every 16 elements, or N not a multiple of 16)
 are dequantized once into the model dtype (``DenseLinear``) rather than at every call. Declined (the
@@ -38,6 +41,7 @@ class Int4PackLinear(PackedLinear):
         """q int32 [N, K] in [0, 2 ** bits); scale, offset float32 [N, K / group]: W = q * scale + offset."""
         n, k = q.shape
         self.parts, self.group, self.n, self.k = -(-bits // 4), group, n, k
+        dtype = self.compute_dtype = torch.bfloat16  # see the module docstring
         digits = [(q >> (4 * i)) & 0xF for i in range(self.parts)]
         scales = [(scale * 16**i).to(dtype).float() for i in range(self.parts)]  # rounded first: 8 s is then exact
         # Each part computes (digit - 8) * s + z: its z gives its own 8 s back, and in each group the offset
@@ -54,11 +58,12 @@ class Int4PackLinear(PackedLinear):
         return {"weight": self.weight, "scales_zeros": self.scales_zeros}
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = x.reshape(-1, self.k)
+        lead, dtype = x.shape[:-1], x.dtype
+        x = x.reshape(-1, self.k).to(self.compute_dtype)
         if self.parts > 1:
             x = x.repeat(1, self.parts)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.weight, self.group, self.scales_zeros)
+        y = y.to(dtype)
         if bias is not None:
             y += bias
         return y.reshape(*lead, self.n)
