@@ -282,7 +282,9 @@ def test_cpu_backend_passes_the_whole_suite(outside):
     report = json.loads((outside / "cpu.json").read_text())
     env, cases = report["environment"], report["cases"]
     assert {env[k] for k in ("backend", "device", "chitu_core")} == {"cpu", "cpu:0", "0.1.0"}
-    assert env["torch"] == torch.__version__ and env["commit"] and env["declared_thresholds"] == []
+    assert env["torch"] == torch.__version__ and env["commit"]
+    # One declaration: its packed 4-bit linears multiply in bfloat16 (chitu_cpu.packed).
+    assert [(d["key"], d["dtype"]) for d in env["declared_thresholds"]] == [("quant_matmul", "float32")]
     assert {c["status"] for c in cases} <= {"pass", "fallback", "unsupported", "skipped"}
     # Skipped: only the architectures whose class declares no conformance_config(), each with that reason.
     assert all(c["row"].startswith("model/") and "declares no conformance_config()" in c["detail"]
