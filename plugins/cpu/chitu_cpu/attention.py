@@ -1,6 +1,7 @@
 """Paged attention on the CPU with PyTorch's scaled_dot_product_attention.
 
-Layout: [2, num_blocks, block_size, num_kv_heads, head_dim]. Per step, ``prepare``
+Layout: [2, num_blocks, block_size, num_kv_heads, head_dim], in anonymous zero pages that become
+resident as they are written. Per step, ``prepare``
 builds the packed<->padded index and the causal mask once; each layer then
 scatters its new keys/values into the cache, gathers every sequence's keys and
 values through its block table, and runs one SDPA call for the whole batch.
@@ -11,6 +12,7 @@ applied outside SDPA: the key scale folded into the softmax scale, the value
 scale multiplied into the output.
 """
 
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +43,13 @@ class CpuSdpaAttention(AttentionBackend):
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """Anonymous zero pages (an mmap): zero-filled as the contract asks, but host memory is committed
+        only as blocks are first written, so the budget costs resident memory only as sequences fill it."""
+        shape = self.kv_cache_shape(num_blocks)
+        pages = mmap.mmap(-1, max(1, torch.Size(shape).numel() * self.kv_cache_dtype.itemsize))
+        return torch.frombuffer(pages, dtype=torch.uint8).view(self.kv_cache_dtype).view(shape)  # keeps `pages` alive
 
     def prepare(self, meta: AttentionMetadata) -> CpuStepState:
         seq_idx, pos = packed_to_padded_index(meta)

@@ -10,7 +10,7 @@ q is cut into ceil(b / 4) hex digits, digit i a part of its own with scale 16^i 
 are laid side by side along K, so one call on x repeated once per part ([x, x] for 8 bits) sums them;
 each part's zero returns the 8 it subtracts, and the offset joins one part's zero per group. That covers GGUF's Q4_0,
 Q4_1, Q4_K (one part), Q5_K and Q8_0 (two), and the int4 layout AWQ and GPTQ repack to (W = (q - z) s).
-The scales and zeros are rounded to the activations' dtype. PyTorch's kernel is vectorized for bfloat16
+The scales and zeros are rounded to bfloat16: PyTorch's kernel is vectorized for bfloat16
 only (float32 and float16 take a scalar path some 30x slower), so a float32 or float16 model multiplies
 in bfloat16: x is rounded to it and the product cast back. That costs float32 its usual precision (the
 backend declares the wider quant_matmul threshold this needs; the suite shows it).
@@ -21,27 +21,36 @@ method's own ops run instead): int4 group sizes other than 32, 64, 128 or 256, N
 an act-order permutation, other methods.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from chitu_core.backend import PackedLinear
-from chitu_core.quantization.gguf_blocks import AFFINE_BITS, affine_groups, dequantize
+from chitu_core.quantization.gguf_blocks import AFFINE_BITS, BLOCK, affine_groups, dequantize
 
 GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = 2
+CHUNK_ROWS = 4096
 
 
 class Int4PackLinear(PackedLinear):
     """W [N, K] as ``parts`` int4pack parts side by side along K (see the module docstring)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group: int,
-                 dtype: torch.dtype):
-        """q int32 [N, K] in [0, 2 ** bits); scale, offset float32 [N, K / group]: W = q * scale + offset."""
-        n, k = q.shape
+    def __init__(self, rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n: int, k: int,
+                 bits: int, group: int):
+        """``rows(start, stop)``: (q int32 [stop - start, K] in [0, 2 ** bits), scale, offset float32
+        [stop - start, K / group]) with W = q * scale + offset, asked for CHUNK_ROWS rows at a time so
+        that the int32 values of a large matrix (a vocabulary head) never sit in memory whole."""
         self.parts, self.group, self.n, self.k = -(-bits // 4), group, n, k
-        dtype = self.compute_dtype = torch.bfloat16  # see the module docstring
+        self.compute_dtype = torch.bfloat16  # see the module docstring
+        chunk = CHUNK_ROWS if n % 64 == 0 else n  # int4pack tiles 64 rows: chunks of whole tiles pack alike
+        packed = [self._pack(*rows(start, min(start + chunk, n))) for start in range(0, n, chunk)]
+        self.weight = torch.cat([w for w, _ in packed])
+        self.scales_zeros = torch.cat([sz for _, sz in packed], dim=1)
+
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.compute_dtype
         digits = [(q >> (4 * i)) & 0xF for i in range(self.parts)]
         scales = [(scale * 16**i).to(dtype).float() for i in range(self.parts)]  # rounded first: 8 s is then exact
         # Each part computes (digit - 8) * s + z: its z gives its own 8 s back, and in each group the offset
@@ -50,9 +59,9 @@ class Int4PackLinear(PackedLinear):
         with_offset = zeros + offset
         pick = with_offset.abs().argmin(0, keepdim=True)
         zeros = zeros.scatter(0, pick, with_offset.gather(0, pick))
-        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(digits, 1).contiguous(),
-                                                                         INNER_K_TILES)
-        self.scales_zeros = torch.stack([torch.cat(scales, 1), torch.cat(list(zeros), 1)], -1).transpose(0, 1).to(dtype).contiguous()
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(digits, 1).contiguous(), INNER_K_TILES)
+        sz = torch.stack([torch.cat(scales, 1), torch.cat(list(zeros), 1)], -1).transpose(0, 1).to(dtype).contiguous()
+        return weight, sz
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return {"weight": self.weight, "scales_zeros": self.scales_zeros}
@@ -90,15 +99,15 @@ def pack_linear(method, layer, dtype: torch.dtype) -> PackedLinear | None:
         qweight, qtype = layer.qweight, method.options["qtype"]
         if qtype not in AFFINE_BITS or qweight.shape[0] % 16:
             return DenseLinear(dequantize(qweight, qtype).to(dtype))
-        q, scale, offset = affine_groups(qweight, qtype)
-        return Int4PackLinear(q, scale, offset, AFFINE_BITS[qtype], 32, dtype)
+        n, k = qweight.shape[0], qweight.shape[1] // BLOCK[qtype][1] * BLOCK[qtype][0]
+        return Int4PackLinear(lambda start, stop: affine_groups(qweight[start:stop], qtype), n, k, AFFINE_BITS[qtype], 32)
     if "int4_linear" in getattr(method, "kernels", ()) and getattr(layer, "perm", None) is None \
             and {"qweight", "scales", "zeros"} <= {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_buffers()}:
-        return _pack_int4(layer, dtype)
+        return _pack_int4(layer)
     return None
 
 
-def _pack_int4(layer, dtype: torch.dtype) -> Int4PackLinear | None:
+def _pack_int4(layer) -> Int4PackLinear | None:
     """The int4 op's layout (qweight int32 [K/8, N], scales/zeros [K/G, N]; W = (q - z) * s)."""
     qweight, scales, zeros = layer.qweight, layer.scales.float(), layer.zeros.float()
     k, n = qweight.shape[0] * 8, qweight.shape[1]
@@ -106,5 +115,10 @@ def _pack_int4(layer, dtype: torch.dtype) -> Int4PackLinear | None:
     if n % 16 or group not in GROUP_SIZES:
         return None
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    q = ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(k, n).t().contiguous()
-    return Int4PackLinear(q, scales.t().contiguous(), (-zeros * scales).t().contiguous(), 4, group, dtype)
+
+    def rows(start: int, stop: int):
+        q = ((qweight[:, None, start:stop] >> shifts[None, :, None]) & 0xF).reshape(k, stop - start).t().contiguous()
+        s, z = scales[:, start:stop], zeros[:, start:stop]
+        return q, s.t().contiguous(), (-z * s).t().contiguous()
+
+    return Int4PackLinear(rows, n, k, 4, group)
