@@ -36,6 +36,27 @@ def copy_bandwidth(device: torch.device, synchronize: Callable[[], None], repeat
     return statistics.median(rates)
 
 
+def parameter_count(model) -> int:
+    """This rank's weights as numbers, however they are stored: a linear layer or vocabulary table counts
+    its [out, in] (packed or quantized ones too, whose tensors hold several numbers an element), a tied
+    head nothing more, anything else its elements."""
+    from chitu_core.layers.embedding import LMHead, VocabEmbedding
+    from chitu_core.layers.linear import LinearBase
+
+    counted, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, LMHead) and module.tied is not None:
+            continue
+        if isinstance(module, LinearBase):
+            total += module.in_features * module.out_features
+        elif isinstance(module, VocabEmbedding):
+            total += module.shard * module.hidden_size
+        else:
+            continue
+        counted.update(id(p) for p in module.parameters(recurse=False) if p is not getattr(module, "bias", None))
+    return total + sum(p.numel() for p in model.parameters() if id(p) not in counted)
+
+
 def weight_bytes_read(model) -> int:
     """Bytes of the parameters a decode step multiplies with: all of them but an untied input
     embedding (a tied one is read whole as the LM head), and the buffers of layers a backend packed

@@ -23,7 +23,7 @@ import torch
 
 from chitu_core.bench import peer_llamacpp
 from chitu_core.bench.floor import (RoutedExperts, aggregate_floor, copy_bandwidth, decode_kv_bytes, gather_floors,
-                                    weight_bytes_read)
+                                    parameter_count, weight_bytes_read)
 from chitu_core.bench.peer import choose_peer, run_hf
 from chitu_core.engine.llm import LLM
 from chitu_core.loader.gguf import default_model_file, resolve_model
@@ -183,7 +183,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
             "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
             "intermediate_size": hf.intermediate_size, "num_attention_heads": hf.num_attention_heads,
             "num_key_value_heads": hf.num_key_value_heads, "vocab_size": hf.vocab_size,
-            "num_parameters": sum(p.numel() for p in engine.model.parameters()),
+            "num_parameters": parameter_count(engine.model),
         },
         "backend": engine.backend.name,
         "device": str(engine.device),

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The embedded default (SmolLM2-135M-Instruct Q4_1 GGUF) on this machine's CPU against llama.cpp on the
+# same file, threads and prompts, in the same runs; writes docs/benchmarks/cpu-smollm2/ and its page.
+#   bash plugins/cpu/scripts/bench_embedded.sh [THREADS]
+# Needs llama-cpp-python (pip install '.[bench-llamacpp]': it builds llama.cpp, about 14 minutes).
+# Run it on a quiet machine: both sides swing by 10x when other processes hold a core.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+THREADS=${1:-2}
+PY=${PY:-.venv/bin/python}
+OUT=docs/benchmarks/cpu-smollm2
+mkdir -p "$OUT"
+for B in 1 16; do
+  $PY -m chitu_core.bench offline --device cpu --dtype bfloat16 --batch-size $B --input-len 128 --output-len 128 \
+      --threads "$THREADS" --runs 3 --peer llama.cpp --peer-runs 3 --json > "$OUT/offline-b$B.json"
+done
+$PY -m chitu_core.bench agree --threads "$THREADS" > "$OUT/agree.txt"
+echo "\`plugins/cpu/scripts/bench_embedded.sh $THREADS\` made them on this machine's CPU (named in each JSON)" > "$OUT/MADE_BY"
+$PY -m chitu_core.bench report "$OUT" > docs/benchmarks/cpu-smollm2.md
+echo "wrote docs/benchmarks/cpu-smollm2.md"
