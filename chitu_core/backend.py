@@ -199,6 +199,13 @@ class Backend(ABC):
         tensors (it keeps ``bias``). The quantization conformance cases run each method through it."""
         return None
 
+    def compile_forward(self, forward: Callable) -> Callable:
+        """(1.7) Optional: the callable the engine runs a model's forward through when asked to compile
+        (``compile_forward=True``), e.g. ``torch.compile``'s where the device has no graph replay; the
+        engine then runs a short warm-up request so that compiling happens while it starts. Steps replayed
+        from a graph runner's captures are not affected. Default: ``forward`` itself."""
+        return forward
+
     def completion_event(self):
         """An event recorded now on the device's work queue: an object whose ``synchronize()``
         returns once all work queued before it has finished (the device's event type, after

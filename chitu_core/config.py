@@ -37,6 +37,9 @@ class EngineConfig(BaseSettings):
         None, gt=0, le=1, description="share of the device's memory the engine may use in all (weights, activations, "
         "KV cache); the KV cache gets what a profiled largest step leaves (default: the backend's budget)")
     enforce_eager: bool = Field(False, description="run decode steps eagerly where the backend could replay graphs")
+    compile_forward: bool = Field(
+        False, description="run the model's forward through the backend's compiler (Backend.compile_forward; CPU: "
+        "torch.compile), compiled while the engine starts: faster steps for a longer start")
     async_scheduling: bool = Field(
         True, description="launch each decode step before the host has processed the previous step's tokens, so that "
         "the host's work overlaps the device's (a sequence that stops wastes one row of the step after; "

@@ -159,6 +159,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
         model, device=args.device, dtype=args.dtype, load_format=args.load_format, load_progress=False,
         profile_steps=args.profile, max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 1),
         num_threads=args.threads, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        compile_forward=args.compile_forward,
         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
     )
@@ -192,6 +193,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
         "quantization": engine.quant.describe(),
         "threads": torch.get_num_threads(),
         "graphs": engine.runner.graphs is not None,
+        "compile_forward": args.compile_forward,
         "async_scheduling": engine.async_scheduling,
         "batch_size": B, "input_len": I, "output_len": O, "temperature": args.temperature, "warmup": args.warmup,
         "input_tokens": B * I,
@@ -259,6 +261,7 @@ def render(r: dict[str, Any]) -> str:
         f"heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv, vocab {c['vocab_size']}, "
         f"{c['num_parameters'] / 1e6:.1f}M parameters" + (", dummy weights" if r.get("load_format") == "dummy" else ""),
         f"backend  {r['backend']} ({r['device']}), {r['dtype']}, {r['threads']} threads"
+        + (", forward compiled" if r.get("compile_forward") else "")
         + (f", weights {r['quantization']}" if r.get("quantization", "unquantized") != "unquantized" else ""),
         f"batch    {r['batch_size']} x {r['input_len']} input tokens -> {r['output_len']} output tokens each, "
         f"temperature {r['temperature']}, {r['warmup']} warm-up run(s)",
@@ -344,6 +347,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="time each step's forward (one more device sync a step)")
     parser.add_argument("--enforce-eager", action="store_true", help="no decode graphs")
+    parser.add_argument("--compile-forward", action="store_true",
+                        help="compile the model's forward with the backend's compiler (CPU: torch.compile) before measuring")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="launch each decode step before the host has the previous one's tokens (default: on)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,

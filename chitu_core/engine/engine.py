@@ -184,7 +184,22 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
+        if config.compile_forward:
+            self._compile_forward()
         log.info("loaded %s on %s (%s), %d KV blocks of %d tokens", model_dir.architecture, self.backend.name, self.dtype, num_blocks, block_size)
+
+    def _compile_forward(self) -> None:
+        """Run the forward through the backend's compiler, and compile now: one short request makes a
+        prefill step and decode steps (a compiler that specialises on one token a sequence compiles both)."""
+        if self.parallel.world.world_size > 1:
+            raise ChituError("compile_forward runs on one rank only for now; leave it off under torchrun")
+        start = time.perf_counter()
+        self.model.forward = self.backend.compile_forward(self.model.forward)
+        self.add_request("compile-warm-up", [0, 1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        while self.has_unfinished():
+            self.step()
+        self.stats = EngineStats()
+        log.info("compiled the forward in %.1f s", time.perf_counter() - start)
 
     def _kv_budget(self) -> int:
         """Bytes for the KV cache: kv_cache_memory if set; else, with gpu_memory_utilization, that share

@@ -1,0 +1,33 @@
+"""``compile_forward`` (contract 1.7's ``Backend.compile_forward``): on the CPU, torch.compile of a tiny
+Llama's forward, compiled while the engine starts, gives what the eager forward gives."""
+
+import pytest
+
+from builders import build_model
+from chitu_core import LLM, SamplingParams
+from chitu_core.backend import Backend
+from test_models import PROMPTS, batched_last_logits
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("compile") / "hf"
+    build_model(path, "llama")
+    opts = dict(device="cpu", dtype="float32", load_progress=False, max_model_len=128, max_num_seqs=8)
+    return LLM(str(path), **opts), LLM(str(path), compile_forward=True, **opts)
+
+
+def test_the_compiled_forward_matches_the_eager_one(pair):
+    eager, compiled = pair
+    assert "forward" in vars(compiled.engine.model) and "forward" not in vars(eager.engine.model)  # wrapped
+    assert compiled.engine.stats.num_steps == 0 and not compiled.engine.has_unfinished()  # the warm-up left no trace
+    a, b = batched_last_logits(eager, PROMPTS), batched_last_logits(compiled, PROMPTS)
+    assert ((a - b).pow(2).sum() / a.pow(2).sum()).item() <= 1e-10
+    batch, params = [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=12, temperature=0)
+    assert [o.outputs[0].token_ids for o in eager.generate(batch, params)] == \
+           [o.outputs[0].token_ids for o in compiled.generate(batch, params)]
+
+
+def test_a_backend_without_a_compiler_runs_the_forward_as_it_is():
+    forward = object()
+    assert Backend.compile_forward(None, forward) is forward
