@@ -13,6 +13,8 @@ mkdir -p "$OUT"
 for B in 1 16; do
   $PY -m chitu_core.bench offline --device cpu --dtype bfloat16 --batch-size $B --input-len 128 --output-len 128 \
       --threads "$THREADS" --runs 3 --peer llama.cpp --peer-runs 3 --json > "$OUT/offline-b$B.json"
+  $PY -m chitu_core.bench offline --device cpu --dtype bfloat16 --batch-size $B --input-len 128 --output-len 128 \
+      --threads "$THREADS" --runs 3 --compile-forward --peer llama.cpp --peer-runs 3 --json > "$OUT/offline-b$B-compiled.json"
 done
 $PY -m chitu_core.bench agree --threads "$THREADS" > "$OUT/agree.txt"
 echo "\`plugins/cpu/scripts/bench_embedded.sh $THREADS\` made them on this machine's CPU (named in each JSON)" > "$OUT/MADE_BY"
