@@ -51,6 +51,11 @@ class CausalLM(nn.Module):
     ignored_weights: checkpoint name fragments to skip (e.g. stale "rotary_emb.inv_freq").
     map_weight_name: checkpoint name -> (parameter name, shard id); applies stacked_params unless a
         model overrides it (MoE models map "…experts.{e}.gate_proj.weight" into a stacked tensor).
+    conformance_config: optional classmethod, () -> a small random HF config dict of the class's own
+        family, with its ``model_type`` (vocab 512, two layers, the family's distinctive features
+        active). The conformance suite runs the model case (``model/ARCH/*``) only for a class that
+        declares it on itself, an inherited one being the parent's family; any other architecture is
+        listed as skipped (docs/writing-a-model.md).
     """
 
     stacked_params: ClassVar[tuple[tuple[str, str, object], ...]] = ()

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,9 @@ from chitu_cpu.backend import CpuBackend
 
 REPO = Path(__file__).resolve().parents[1]
 VENDOR = REPO / "examples" / "vendor-plugin"
+# The models distribution's architectures: each one's model case runs on its own conformance_config().
+IN_TREE_ARCHITECTURES = list(tomllib.loads((REPO / "models" / "pyproject.toml").read_text())
+                             ["project"]["entry-points"]["chitu_core.models"])
 IGNORED = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
 NAN, INF = float("nan"), float("inf")
 
@@ -286,13 +290,17 @@ def test_cpu_backend_passes_the_whole_suite(outside):
     # One declaration: its packed 4-bit linears multiply in bfloat16 (chitu_cpu.packed).
     assert [(d["key"], d["dtype"]) for d in env["declared_thresholds"]] == [("quant_matmul", "float32")]
     assert {c["status"] for c in cases} <= {"pass", "fallback", "unsupported", "skipped"}
-    # Skipped: only the architectures whose class declares no conformance_config(), each with that reason.
-    assert all(c["row"].startswith("model/") and "declares no conformance_config()" in c["detail"]
-               for c in cases if c["status"] == "skipped")
+    # Every in-tree architecture declares conformance_config(): none is skipped.
+    assert [c["row"] for c in cases if c["status"] == "skipped"] == []
     rows = matrix_rows(out)  # the markdown matrix goes to stdout even when the report goes to a file
-    assert set(OP_NAMES) | {"attention/sdpa", "sampler", "all_reduce", "send_recv", "quant/unquantized",
-                            "model/LlamaForCausalLM/logits", "model/LlamaForCausalLM/greedy",
-                            "model/LlamaForCausalLM/transformers"} <= set(rows)
+    assert set(OP_NAMES) | {"attention/sdpa", "sampler", "all_reduce", "send_recv", "quant/unquantized"} <= set(rows)
+    for arch in IN_TREE_ARCHITECTURES:
+        for what in ("logits", "greedy"):
+            source, f32, bf16, f16 = rows[f"model/{arch}/{what}"]
+            assert (source, f16) == ("native", "unsupported"), (arch, what)
+            assert f32.startswith("pass (") and bf16.startswith("pass ("), (arch, what, f32, bf16)
+        # The reference model against transformers (the core's reference ops: a fallback row).
+        assert rows[f"model/{arch}/transformers"][1].startswith("fallback ("), arch
     fallbacks = [op for op in OP_NAMES if op not in CpuBackend().native_ops()]
     for op in OP_NAMES:
         source, f32, bf16, f16 = rows[op]
@@ -338,9 +346,7 @@ def test_example_vendor_plugin_passes_with_fallbacks_and_declarations(outside, a
     assert f32.startswith("pass (") and f32.endswith(", 3/16 unsupported")
     assert bf16.startswith("pass (") and bf16.endswith("≤ 1e-04), 3/16 unsupported †")
     assert "| `attention` | bfloat16 | nmse 5e-05, each element within 0.03 of max abs ref | nmse 0.0001" in out
-    # Skipped: model architectures without a conformance_config(), none of the backend's rows.
-    assert re.search(r"^\d+ cases: \d+ pass, \d+ fallback, \d+ unsupported, \d+ skipped, 0 fail$", out, re.M)
-    assert all(row.startswith("model/") for row, cells in rows.items() if "skipped" in cells)
+    assert re.search(r"^\d+ cases: \d+ pass, \d+ fallback, \d+ unsupported, 0 skipped, 0 fail$", out, re.M)
 
 
 def test_planted_wrong_op_fails_and_is_named(outside, tmp_path):

@@ -2,8 +2,8 @@
 
 Which architectures: each one registered under ``chitu_core.models`` whose class declares the
 classmethod ``conformance_config()``, returning an HF config dict with its ``model_type``
-(docs/writing-a-model.md). ``FALLBACK_CONFIGS`` holds the config of an architecture whose plugin
-does not declare one yet; any other architecture is listed as skipped, with the reason.
+(docs/writing-a-model.md); an architecture whose class does not declare one is listed as skipped,
+with the reason.
 
 Each model is built twice from one set of random weights: on the CPU in float64 with the reference
 ops and attention, and on the backend (its resolved ops, its attention for the model's geometry,
@@ -29,11 +29,6 @@ from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext, StepContext
 from chitu_core.ops.table import resolve_ops
 
-FALLBACK_CONFIGS = {  # until the plugin's class declares conformance_config()
-    "LlamaForCausalLM": dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0),
-}
 ROWS = ("logits", "greedy", "transformers")
 PROMPTS = (5, 17, 30)
 DECODE_STEPS = 6
@@ -49,6 +44,18 @@ def hf_config(config: dict):
     if model_type in CONFIG_MAPPING:
         return AutoConfig.for_model(model_type, **values), True
     return PretrainedConfig(**values), False  # a family transformers lacks: a plain config with its attributes
+
+
+def _checkpoint_weights(hf) -> dict:
+    """A transformers model's weights named and laid out as its ``save_pretrained`` writes them: since
+    transformers 5 a model may hold some fused in memory (an MoE layer's experts as one tensor) that a
+    checkpoint keeps apart."""
+    state = hf.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # before transformers 5 the state dict is the checkpoint's layout
+        return state
+    return revert_weight_conversion(hf, state)
 
 
 class _NoAttention:
@@ -128,9 +135,10 @@ class ModelRun:
             from transformers import AutoModelForCausalLM
 
             config._attn_implementation = "eager"
+            config._experts_implementation = "eager"  # a loop over experts: the grouped GEMM takes no float64
             hf = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
             _widen(hf, gen)
-            model.load_weights(hf.state_dict().items())
+            model.load_weights(_checkpoint_weights(hf).items())
         else:
             _widen(model, gen)
             model.process_weights_after_loading()
@@ -212,11 +220,10 @@ def _plan(arch: str) -> tuple[object, dict | None, str]:
         return None, None, f"the plugin providing {arch} did not load ({exc})"
     # Declared on the class itself: an inherited one is the parent's family (Mistral's would be Llama's).
     declared = "conformance_config" in vars(model_cls)
-    config = model_cls.conformance_config() if declared else FALLBACK_CONFIGS.get(arch)
-    if config is None:
+    if not declared:
         return model_cls, None, (f"{model_cls.__module__}.{model_cls.__name__} declares no conformance_config(); "
                                  "add it to run this architecture (docs/writing-a-model.md)")
-    return model_cls, config, ""
+    return model_cls, model_cls.conformance_config(), ""
 
 
 def model_cases(dtypes: tuple[torch.dtype, ...], chosen: Callable[[str, str], bool] = lambda row, op: True) -> list[Case]:
@@ -226,8 +233,7 @@ def model_cases(dtypes: tuple[torch.dtype, ...], chosen: Callable[[str, str], bo
     installed = [e.name for e in entries(MODELS_GROUP)]
     archs = [a for a in installed if any(chosen(row, "model") for row in (f"model/{a}", *(f"model/{a}/{w}" for w in ROWS)))]
     if not installed:
-        return _cases("LlamaForCausalLM", None, FALLBACK_CONFIGS["LlamaForCausalLM"],
-                      "no model plugin is installed (pip install chitu-models)", dtypes)
+        return _cases("LlamaForCausalLM", None, None, "no model plugin is installed (pip install chitu-models)", dtypes)
     return [case for arch in archs for case in _cases(arch, *_plan(arch), dtypes)]
 
 

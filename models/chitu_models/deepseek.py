@@ -36,7 +36,7 @@ from chitu_core.layers import (
 from chitu_core.layers.rotary import RopeConfig, yarn_mscale
 from chitu_core.layers.stage import build_lm_head
 from chitu_core.model import CausalLM, KVGeometry
-from chitu_models.llama import DecoderLayer, DecoderMLP, DecoderModel
+from chitu_models.llama import CONFORMANCE_SIZES, DecoderLayer, DecoderMLP, DecoderModel
 from chitu_models.mixtral import EXPERT_ACTIVATIONS
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -143,6 +143,17 @@ class DeepseekV2ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random DeepSeek-V2-Lite config (MLA without a q low-rank, YaRN, 4 routed experts top-2 plus a
+        shared one after a dense first layer) for the model conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="deepseek_v2", moe_intermediate_size=128, num_key_value_heads=4,
+                    q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                    topk_method="greedy", routed_scaling_factor=2.0,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32, beta_slow=1,
+                                         original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=0.707))
+
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     @classmethod
@@ -154,3 +165,12 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     @classmethod
     def interleaved_rope(cls, config) -> bool:
         return getattr(config, "rope_interleave", True)
+
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random DeepSeek-V3 config (MLA with a q low-rank, sigmoid routing over 4 experts in 2
+        groups, top-2, a shared expert after a dense first layer) for the model conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="deepseek_v3", moe_intermediate_size=128, num_key_value_heads=4,
+                    q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                    n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)

@@ -17,7 +17,14 @@ import torch
 from chitu_core.layers import BuildContext, RMSNorm, RotaryEmbedding, rope_config
 from chitu_core.layers.stage import build_lm_head
 from chitu_core.model import KVGeometry
-from chitu_models.llama import DecoderAttention, DecoderLayer, DecoderModel, LlamaForCausalLM, head_dim
+from chitu_models.llama import (
+    CONFORMANCE_SIZES,
+    DecoderAttention,
+    DecoderLayer,
+    DecoderModel,
+    LlamaForCausalLM,
+    head_dim,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -102,6 +109,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random Gemma 2 config (a sliding layer then a full one, window shorter than the case's
+        prompts; attention and final soft-capping) for the model conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="gemma2", head_dim=64, query_pre_attn_scalar=48, sliding_window=8,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=0, bos_token_id=1)
+
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3's text model (``Gemma3ForCausalLM``, model_type gemma3_text)."""
@@ -130,3 +144,12 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
             ropes = {SLIDING: rope_config(SimpleNamespace(rope_parameters=local, max_position_embeddings=n)),
                      FULL: rope_config(config)}
         return {t: RotaryEmbedding(hd, n, rope, ctx) for t, rope in ropes.items()}
+
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random Gemma 3 text config (q/k norm, a sliding layer with the local RoPE base, a full
+        one with linear scaling) for the model conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="gemma3_text", head_dim=64, query_pre_attn_scalar=48,
+                    sliding_window=8, layer_types=[SLIDING, FULL], pad_token_id=0, bos_token_id=1,
+                    rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                                     FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})

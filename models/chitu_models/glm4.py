@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from chitu_core.layers import BuildContext, RMSNorm, RotaryEmbedding, rope_config
-from chitu_models.llama import DecoderLayer, LlamaForCausalLM, head_dim, unfuse
+from chitu_models.llama import CONFORMANCE_SIZES, DecoderLayer, LlamaForCausalLM, head_dim, unfuse
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -39,3 +39,10 @@ class Glm4ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], presharded: bool = False) -> None:
         super().load_weights(weights if presharded else unfuse(self, weights), presharded)
+
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random GLM-4 config (qkv bias, partial interleaved rotary, head_dim unlike hidden_size /
+        heads) for the model conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="glm4", head_dim=32, attention_bias=True, partial_rotary_factor=0.5,
+                    pad_token_id=0, bos_token_id=1)

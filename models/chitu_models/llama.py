@@ -29,6 +29,10 @@ from chitu_core.layers.stage import Absent, build_lm_head, stage_layers
 from chitu_core.model import CausalLM, KVGeometry
 
 ACTIVATIONS = {"silu": "silu_and_mul", "gelu": "gelu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}
+# The sizes every in-tree ``conformance_config()`` starts from: small enough that the whole model/*
+# conformance run stays cheap, past the case's prompts (30 tokens and 6 decode steps) in positions.
+CONFORMANCE_SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 
 
 def head_dim(config) -> int:
@@ -249,6 +253,13 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random Llama 3 config (llama3 RoPE scaling) for the model conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="llama", rope_theta=500000.0,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=64))
+
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral is Llama's decoder; a config's ``sliding_window`` gives every layer that window (the
@@ -264,3 +275,8 @@ class MistralForCausalLM(LlamaForCausalLM):
         if getattr(config, "sliding_window", None) is None:
             return geometry
         return replace(geometry, attention_variants=frozenset({"sliding_window"}))
+
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random Mistral config whose sliding window is shorter than the case's prompts."""
+        return dict(CONFORMANCE_SIZES, model_type="mistral", sliding_window=8)

@@ -10,7 +10,7 @@ from torch import nn
 
 from chitu_core.layers import BuildContext, FusedMoE, Router, map_expert_weight
 from chitu_core.layers.moe import MIXTRAL_PARTS
-from chitu_models.llama import DecoderMLP, MistralForCausalLM
+from chitu_models.llama import CONFORMANCE_SIZES, DecoderMLP, MistralForCausalLM
 
 EXPERT_ACTIVATIONS = {"silu": "silu", "gelu": "gelu"}  # hidden_act -> fused_experts' activation
 
@@ -54,3 +54,9 @@ class MixtralForCausalLM(MistralForCausalLM):
     def map_weight_name(self, name: str) -> tuple[str, object]:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the layer's MLP
         return map_expert_weight(name, MIXTRAL_PARTS) or super().map_weight_name(name)
+
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random Mixtral config (4 experts, top-2) for the model conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="mixtral", intermediate_size=128, num_local_experts=4,
+                    num_experts_per_tok=2)

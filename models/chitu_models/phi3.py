@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from chitu_core.layers import BuildContext, RotaryEmbedding, rope_config
-from chitu_models.llama import MistralForCausalLM, head_dim, unfuse
+from chitu_models.llama import CONFORMANCE_SIZES, MistralForCausalLM, head_dim, unfuse
 
 
 class Phi3ForCausalLM(MistralForCausalLM):
@@ -23,3 +23,10 @@ class Phi3ForCausalLM(MistralForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], presharded: bool = False) -> None:
         super().load_weights(weights if presharded else unfuse(self, weights), presharded)
+
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random Phi-3 config (partial rotary, a sliding window shorter than the case's prompts)
+        for the model conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="phi3", partial_rotary_factor=0.5, sliding_window=8, pad_token_id=0,
+                    bos_token_id=1)

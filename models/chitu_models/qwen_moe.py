@@ -7,7 +7,7 @@ Layer i is sparse unless it is in ``mlp_only_layers`` or (i + 1) is not a multip
 from torch import nn
 
 from chitu_core.layers import BuildContext, map_expert_weight
-from chitu_models.llama import DecoderMLP, LlamaForCausalLM
+from chitu_models.llama import CONFORMANCE_SIZES, DecoderMLP, LlamaForCausalLM
 from chitu_models.mixtral import SparseMoeBlock
 from chitu_models.qwen import Qwen3ForCausalLM
 
@@ -32,6 +32,13 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     def map_weight_name(self, name: str) -> tuple[str, object]:
         return map_expert_weight(name) or super().map_weight_name(name)
 
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random Qwen2-MoE config (4 experts, top-2, a shared expert; layer 0 dense) for the model
+        conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="qwen2_moe", moe_intermediate_size=128, num_experts=4,
+                    num_experts_per_tok=2, shared_expert_intermediate_size=256, mlp_only_layers=[0])
+
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @classmethod
@@ -43,3 +50,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def map_weight_name(self, name: str) -> tuple[str, object]:
         return map_expert_weight(name) or super().map_weight_name(name)
+
+    @classmethod
+    def conformance_config(cls) -> dict:
+        """A small random Qwen3-MoE config (q/k norm; layer 0 dense, layer 1 4 experts, top-2,
+        renormalised) for the model conformance case."""
+        return dict(CONFORMANCE_SIZES, model_type="qwen3_moe", head_dim=32, moe_intermediate_size=128, num_experts=4,
+                    num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2)
