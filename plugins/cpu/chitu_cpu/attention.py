@@ -62,16 +62,17 @@ class CpuSdpaAttention(AttentionBackend):
         mask = state.mask if window is None else state.windowed(meta, window)
         call = paged_sdpa_op if torch.compiler.is_compiling() else paged_sdpa  # the op: opaque to a compiled step
         return call(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, state.seq_idx, state.pos, mask, scale,
-                    kv_scale)
+                    kv_scale, window is not None)
 
 
 def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                block_tables: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, scale: float,
-               kv_scale: torch.Tensor | None) -> torch.Tensor:
+               kv_scale: torch.Tensor | None, windowed: bool = False) -> torch.Tensor:
     """One layer's step: the cache write, the gather through the block tables (the mask's
     [B, 1, max_query_len, max_seq_len] gives the sizes; whole blocks copied as rows by index_select,
     several times faster than advanced indexing) and one SDPA call for the batch. A decode step (one
-    query row per sequence) needs no padding, and a single sequence no mask."""
+    query row per sequence) needs no padding, and a single sequence no mask unless ``windowed`` (a
+    sliding-window mask hides its oldest keys)."""
     if kv_scale is not None:  # an fp8 cache: written as the reference writes it
         write_kv(kv_cache, k, v, slot_mapping, kv_scale)
     else:
@@ -92,7 +93,7 @@ def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torc
         scale *= k_scale
     hq = q.shape[1]
     if max_q == 1:
-        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=None if b == 1 else mask,
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask if b > 1 or windowed else None,
                                              scale=scale, enable_gqa=hq != hk)[:, :, 0]
     else:
         q_pad = q.new_zeros(b, max_q, hq, d)
@@ -108,7 +109,7 @@ def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torc
 # the custom_op decorator, whose Python wrapper costs ~100 us a call here against ~4.
 _LIBRARY = torch.library.Library("chitu_cpu", "DEF")
 _LIBRARY.define("paged_sdpa(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
-                "Tensor seq_idx, Tensor pos, Tensor mask, float scale, Tensor? kv_scale) -> Tensor")
+                "Tensor seq_idx, Tensor pos, Tensor mask, float scale, Tensor? kv_scale, bool windowed) -> Tensor")
 _LIBRARY.impl("paged_sdpa", paged_sdpa, "CPU")
 _LIBRARY.impl("paged_sdpa", lambda q, *_: torch.empty_like(q), "Meta")
 paged_sdpa_op = torch.ops.chitu_cpu.paged_sdpa
