@@ -2,7 +2,7 @@
 
 Layout: [2, num_blocks, block_size, num_kv_heads, head_dim], in anonymous zero pages that become
 resident as they are written. Per step, ``prepare``
-builds the packed<->padded index and the causal mask once; each layer then
+builds the packed<->padded index, the causal mask, the gather rows and the slots once; each layer then
 scatters its new keys/values into the cache, gathers every sequence's keys and
 values through its block table, and runs one SDPA call for the whole batch.
 
@@ -27,7 +27,21 @@ class CpuStepState:
     seq_idx: torch.Tensor  # [T] sequence of each packed row
     pos: torch.Tensor  # [T] its row among the sequence's new tokens
     mask: torch.Tensor  # bool [B, 1, max_query_len, max_seq_len]
+    rows: torch.Tensor  # [B * n] int64: the cache blocks holding each sequence's keys, in order (n blocks each)
+    slots: torch.Tensor  # the cache slots of the rows stored (padding rows, slot < 0, left out)
+    keep: torch.Tensor | None  # which rows those are, where some are padding
     windows: dict = field(default_factory=dict)  # window -> its mask, made by the first layer that asks
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> "CpuStepState":
+        """What every layer of the step shares: the padding index, the mask, the gather rows, the slots."""
+        seq_idx, pos = packed_to_padded_index(meta)
+        rows = meta.block_tables[:, :-(-meta.max_seq_len // meta.block_size)].reshape(-1).long()
+        slots, keep = meta.slot_mapping, None
+        if not bool((slots >= 0).all()):  # padding rows are not stored
+            keep = slots >= 0
+            slots = slots[keep]
+        return cls(seq_idx, pos, causal_mask(meta)[:, None], rows, slots, keep)
 
     def windowed(self, meta: AttentionMetadata, window: int) -> torch.Tensor:
         if window not in self.windows:
@@ -52,8 +66,7 @@ class CpuSdpaAttention(AttentionBackend):
         return torch.frombuffer(pages, dtype=torch.uint8).view(self.kv_cache_dtype).view(shape)  # keeps `pages` alive
 
     def prepare(self, meta: AttentionMetadata) -> CpuStepState:
-        seq_idx, pos = packed_to_padded_index(meta)
-        return CpuStepState(seq_idx, pos, causal_mask(meta)[:, None])
+        return CpuStepState.of(meta)
 
     def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None, softcap=None, window=None):
         if softcap is not None:  # SDPA has no logit cap
@@ -61,30 +74,28 @@ class CpuSdpaAttention(AttentionBackend):
         state: CpuStepState = meta.backend_state
         mask = state.mask if window is None else state.windowed(meta, window)
         call = paged_sdpa_op if torch.compiler.is_compiling() else paged_sdpa  # the op: opaque to a compiled step
-        return call(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, state.seq_idx, state.pos, mask, scale,
+        return call(q, k, v, kv_cache, state.slots, state.keep, state.rows, state.seq_idx, state.pos, mask, scale,
                     kv_scale, window is not None)
 
 
-def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-               block_tables: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, scale: float,
-               kv_scale: torch.Tensor | None, windowed: bool = False) -> torch.Tensor:
-    """One layer's step: the cache write, the gather through the block tables (the mask's
-    [B, 1, max_query_len, max_seq_len] gives the sizes; whole blocks copied as rows by index_select,
-    several times faster than advanced indexing) and one SDPA call for the batch. A decode step (one
+def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+               keep: torch.Tensor | None, rows: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor,
+               mask: torch.Tensor, scale: float, kv_scale: torch.Tensor | None, windowed: bool = False) -> torch.Tensor:
+    """One layer's step, with ``CpuStepState``'s tensors: the cache write, the gather of the blocks
+    ``rows`` names (the mask's [B, 1, max_query_len, max_seq_len] gives the sizes; whole blocks copied
+    by index_select, several times faster than advanced indexing) and one SDPA call for the batch. A decode step (one
     query row per sequence) needs no padding, and a single sequence no mask unless ``windowed`` (a
     sliding-window mask hides its oldest keys)."""
+    if keep is not None:
+        k, v = k[keep], v[keep]
     if kv_scale is not None:  # an fp8 cache: written as the reference writes it
-        write_kv(kv_cache, k, v, slot_mapping, kv_scale)
+        write_kv(kv_cache, k, v, slots, kv_scale)
     else:
-        if not bool((slot_mapping >= 0).all()):  # padding rows are not stored
-            keep = slot_mapping >= 0
-            slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-        kv_cache.view(2, -1, *kv_cache.shape[3:]).index_copy_(1, slot_mapping, torch.stack((k, v)).to(kv_cache.dtype))
+        kv_cache.view(2, -1, *kv_cache.shape[3:]).index_copy_(1, slots, torch.stack((k, v)).to(kv_cache.dtype))
     b, _, max_q, max_s = mask.shape
     num_blocks, block_size, hk, d = kv_cache.shape[1:]
-    n = -(-max_s // block_size)
-    rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_tables[:, :n].reshape(-1).long())
-    kv = rows.view(2, b, n * block_size, hk, d)[:, :, :max_s].transpose(2, 3)  # [2, B, Hk, S, D]
+    gathered = kv_cache.view(2, num_blocks, -1).index_select(1, rows)
+    kv = gathered.view(2, b, -1, hk, d)[:, :, :max_s].transpose(2, 3)  # [2, B, Hk, S, D]
     keys, values = kv[0], kv[1]
     v_scale = None
     if kv_scale is not None:
@@ -108,7 +119,7 @@ def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torc
 # from the tensors rather than specialising on them. Registered through torch.library.Library rather than
 # the custom_op decorator, whose Python wrapper costs ~100 us a call here against ~4.
 _LIBRARY = torch.library.Library("chitu_cpu", "DEF")
-_LIBRARY.define("paged_sdpa(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
+_LIBRARY.define("paged_sdpa(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots, Tensor? keep, Tensor rows, "
                 "Tensor seq_idx, Tensor pos, Tensor mask, float scale, Tensor? kv_scale, bool windowed) -> Tensor")
 _LIBRARY.impl("paged_sdpa", paged_sdpa, "CPU")
 _LIBRARY.impl("paged_sdpa", lambda q, *_: torch.empty_like(q), "Meta")

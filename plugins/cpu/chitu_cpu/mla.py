@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from chitu_core.attention.contract import AttentionMetadata
 from chitu_core.attention.mla import MLAAttentionBackend, gather_latents, write_latent
-from chitu_core.attention.reference import causal_mask, packed_to_padded_index
 from chitu_cpu.attention import CpuStepState
 
 
@@ -36,8 +35,7 @@ class CpuSdpaMLAAttention(MLAAttentionBackend):
         return (num_blocks, self.block_size, self.latent_dim)
 
     def prepare(self, meta: AttentionMetadata) -> CpuStepState:
-        seq_idx, pos = packed_to_padded_index(meta)
-        return CpuStepState(seq_idx, pos, causal_mask(meta)[:, None])
+        return CpuStepState.of(meta)
 
     def forward(self, q, latent, kv_cache, meta, scale, kv_scale=None):
         state: CpuStepState = meta.backend_state
