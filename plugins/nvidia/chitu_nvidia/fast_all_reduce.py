@@ -4,9 +4,9 @@ kernel reads all of them and writes the sum; above, up to ``max_bytes``, a two-s
 sum its share of the message and then gathers the shares; both fenced by the group's signal pads. No
 NVLink multicast is used.
 
-Measured with ``scripts/allreduce_bench.py``; messages above ``max_bytes`` go through NCCL. The two-shot
-path has not run on a GPU yet, so ``max_bytes`` defaults to ONE_SHOT_BYTES and leaves it unused; measure
-it with ``CHITU_FAST_ALL_REDUCE_MAX_BYTES=33554432 torchrun ... allreduce_bench.py`` before raising it. The layer
+Measured with ``scripts/allreduce_bench.py`` (docs/benchmarks/nvidia-h200x2-twoshot.md: on two H200s both
+paths beat NCCL at every size up to 8 MB, the largest measured, so ``max_bytes`` defaults to 8 MB);
+messages above ``max_bytes`` go through NCCL; ``CHITU_FAST_ALL_REDUCE_MAX_BYTES`` sets it. The layer
 boundary (all-reduce + residual add + RMSNorm, contract 1.5) is one Triton kernel of its own over
 symmetric memory (``boundary_kernel.py``); ``CHITU_FUSED_BOUNDARY=0`` composes it from the all-reduce
 and the norm instead.
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = (torch.bfloat16, torch.float32)  # torch's one-shot kernel has no float16
 ONE_SHOT_BYTES = 512 << 10
-MAX_BYTES = int(os.environ.get("CHITU_FAST_ALL_REDUCE_MAX_BYTES", str(ONE_SHOT_BYTES)))
+MAX_BYTES = int(os.environ.get("CHITU_FAST_ALL_REDUCE_MAX_BYTES", str(8 << 20)))
 
 
 class SymmetricMemoryAllReduce:

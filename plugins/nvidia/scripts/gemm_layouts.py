@@ -4,6 +4,8 @@ cuBLASLt. Times 50 replays of a captured graph per case; prints microseconds and
 copy bandwidth (measured as the bench's floor does) they reach.
 
     python plugins/nvidia/scripts/gemm_layouts.py
+    python plugins/nvidia/scripts/gemm_layouts.py rows [TP]   # cuBLAS against cuBLASLt by rows; TP: each
+                                                              # rank's share of the shapes under tensor parallelism
 """
 
 import torch
@@ -73,12 +75,21 @@ def argmax() -> None:
               f"{timed(lambda: half.float()):22.2f}")
 
 
-def rows_sweep() -> None:
+def tp_shapes(tp: int) -> dict[str, tuple[int, int]]:
+    """One rank's (K, N) under tensor parallelism: column-parallel layers split N, row-parallel ones K."""
+    row_parallel = {"o_proj", "down"}
+    return {name: (k // tp, n) if name in row_parallel else (k, n // tp) for name, (k, n) in SHAPES.items()}
+
+
+def rows_sweep(tp: int = 1) -> None:
     """[K, N] weights (the layout the backend stores), cuBLAS against cuBLASLt by rows; four weight
     copies taken in turn, so that the L2 cache does not serve a weight twice in a row."""
     rows = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
-    print(f"{'us cublas/lt':12} " + " ".join(f"{m:>11}" for m in rows))
-    for name, (k, n) in SHAPES.items():
+    bw = copy_bandwidth(torch.device("cuda"), torch.cuda.synchronize) / 1e9
+    print(f"{torch.cuda.get_device_name()}, tensor-parallel share 1/{tp}; copy bandwidth {bw:.0f} GB/s; "
+          "last column: the byte floor of one row")
+    print(f"{'us cublas/lt':12} " + " ".join(f"{m:>11}" for m in rows) + f" {'floor us':>9}")
+    for name, (k, n) in tp_shapes(tp).items():
         wts = [torch.randn(k, n, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(4)]
         turn = [0]
 
@@ -94,7 +105,7 @@ def rows_sweep() -> None:
                 torch.backends.cuda.preferred_blas_library(library)
                 times.append(timed(gemm, reps=48))
             cells.append(f"{times[0]:5.1f}/{times[1]:5.1f}")
-        print(f"{name:12} " + " ".join(cells))
+        print(f"{name:12} " + " ".join(cells) + f" {k * n * 2 / bw / 1e3:9.2f}")
         del wts
     torch.backends.cuda.preferred_blas_library("cublas")
 
@@ -102,8 +113,8 @@ def rows_sweep() -> None:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] == ["rows"]:
-        rows_sweep()
+    if sys.argv[1:2] == ["rows"]:
+        rows_sweep(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
     else:
         main()
         argmax()
