@@ -81,6 +81,32 @@ def model_table(check: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _parting(row: dict[str, Any]) -> str:
+    if "gap_ulps" not in row:
+        return ""
+    sigmas = f", {row['gap_sigmas']:.1f}σ" if "gap_sigmas" in row else ""
+    flips = ", bf16 flips too" if row.get("hf_bf16_flips") else ""
+    return f" ({row['gap_ulps']:.2f}u{sigmas}{flips})"
+
+
+def models_check_lines(results: list[dict[str, Any]]) -> list[str]:
+    """Architectures in bfloat16 against transformers float32 (``plugins/nvidia/scripts/models_check.py``)."""
+    lines = ["| architecture | ours bf16 NMSE | transformers bf16 NMSE | NMSE no worse | greedy: equal prefix of 64 "
+             "(where they part: float32's top-2 gap in bf16 ulps, in sigmas of transformers-bf16's error) "
+             "| transformers bf16: equal prefix | near-tie rule | batch of 16, fp32 / bf16 equal prefix | graphs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['arch']} | error: {r['error'][:160]} | | | | | | | |")
+            continue
+        greedy = ", ".join(f"{x['equal_prefix']}" + _parting(x) for x in r["rows"])
+        theirs = ", ".join(str(x["hf_bf16_equal_prefix"]) for x in r["rows"] if "hf_bf16_equal_prefix" in x) or "-"
+        lines.append(f"| {r['arch']} | {r['ours_nmse']:.3g} | {r['hf_bf16_nmse']:.3g} | {'yes' if r['nmse_ok'] else 'NO'} "
+                     f"| {greedy} | {theirs} | {'ok' if r['greedy_ok'] else 'FAILED'} | {r['batch_fp32']} / {r['batch_bf16']} "
+                     f"| {'yes' if r.get('graphs') else 'no'} |")
+    return lines
+
+
 def profile_lines(check: dict[str, Any]) -> list[str]:
     out = []
     for b in (1, 64):
@@ -138,6 +164,14 @@ def render(directory: Path) -> str:
                   "frequencies kept in float32); the last two columns measure the implementation (ours in float32) "
                   "and bfloat16's own noise (transformers bfloat16) against transformers float32.", "",
                   *model_table(check), ""]
+    for name, r in loaded.items():
+        if name.endswith("models_check") and isinstance(r, list):
+            lines += [f"## Architectures against transformers (`{name}.json`, `plugins/nvidia/scripts/models_check.py`)", "",
+                      "Small random configs of each family, ours in bfloat16 against transformers float32 on the same "
+                      "weights: mean last-token NMSE over 32 prompts (8 in older files) beside transformers' own bfloat16; 64 greedy "
+                      "tokens a prompt, equal or parting at a near-tie (docs/writing-a-model.md: float32's top-2 gap within 2 bf16 "
+                      "ulps or 3 sigmas of transformers-bf16's error, or transformers-bf16 ranks them otherwise too; older files "
+                      "hold the ulps alone); one prompt alone against inside a batch of 16.", "", *models_check_lines(r), ""]
     if check and profile_lines(check):
         lines += ["## Decode profile (torch.profiler, graphs replayed)", "", *profile_lines(check), ""]
     for name, r in loaded.items():

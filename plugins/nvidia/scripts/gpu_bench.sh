@@ -7,7 +7,8 @@
 # model against transformers, profile: gpu_check.py), profile (kernels of decode steps: PROFILES
 # "model:batch ..." of the models bench8b/smollm made), serve (bench serve on a live server, engine in a
 # process and in a thread, SERVE_MODES picks; then the offline run of the same batch), moecheck (MoE and MLA
-# kernels, the five MoE/MLA architectures against transformers, their conformance rows), moe (full-size MoE configs
+# kernels, the five MoE/MLA architectures against transformers, their conformance rows), models (the other
+# architectures' conformance configs, bf16 against transformers: models_check.py, MODELS names them), moe (full-size MoE configs
 # with dummy weights, MOE_BENCH "config:batch ..."; PEER=hf compares transformers on its own random weights), quant
 # (quantized linears' and methods' conformance rows, quant_check.py: in-situ fp8/int8/int4 and the fp8 KV cache on
 # the Llama-3.1-8B config against bf16), quantbench (Llama-3.1-8B config, dummy weights, QUANT_BENCH "method:batch ..."
@@ -60,11 +61,13 @@ for step in "$@"; do
              python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print(sys.argv[2], {k: v for k, v in x.items() if not isinstance(v, (list, dict))})" "$OUT/serve-$mode.json" $mode
            done
            bench llama8b-b64-total --model /tmp/llama8b --batch-size 64 --peer none ;;
-    moecheck) for script in moe_check mla_check moe_models_check; do
+    moecheck) for script in moe_check mla_check models_check; do
                 OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/$script.py" || echo "$script failed: $?"
               done
               python3 -m chitu_core.conformance --backend nvidia --ops 'moe*,fused*,mla*' --dtypes bfloat16,float32 \
                 --format md --quiet > "$OUT/conformance-moe.md"; tail -12 "$OUT/conformance-moe.md" ;;
+    models) OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/models_check.py" \
+              ${MODELS:-Gemma2ForCausalLM Gemma3ForCausalLM Phi3ForCausalLM Glm4ForCausalLM} || echo "models_check failed: $?" ;;
     moe) for spec in ${MOE_BENCH:-deepseek-v2-lite:1 deepseek-v2-lite:32 qwen3-30b-a3b:1 qwen3-30b-a3b:64 mixtral-8x7b:1 mixtral-8x7b:64}; do
            name=${spec%%:*}; b=${spec##*:}
            [ -d /tmp/$name ] || python3 -m chitu_core.bench random-model --like $name --config-only --out /tmp/$name
