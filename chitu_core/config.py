@@ -40,6 +40,10 @@ class EngineConfig(BaseSettings):
     compile_forward: bool = Field(
         False, description="run the model's forward through the backend's compiler (Backend.compile_forward; CPU: "
         "torch.compile), compiled while the engine starts: faster steps for a longer start")
+    pack_linear: bool = Field(
+        True, description="offer loaded linear layers to the backend's own weight layout (Backend.pack_linear, "
+        "contract 1.7); off: the quantization method's own tensors and ops (a quantized file's exact dequantized "
+        "weights where the method dequantizes), e.g. to compare against a packed run")
     async_scheduling: bool = Field(
         True, description="launch each decode step before the host has processed the previous step's tokens, so that "
         "the host's work overlaps the device's (a sequence that stops wastes one row of the step after; "

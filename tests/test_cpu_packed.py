@@ -152,3 +152,23 @@ def test_kept_vocabulary_tables_match_the_dequantized_file(tied, embed_type, hea
     assert linears and all(isinstance(m.packed, Int4PackLinear) and not hasattr(m, "qweight") for m in linears)
 
     assert_matches_dequantized(kept, dense, dense_bf16, PROMPTS)
+
+
+def test_pack_linear_off_keeps_the_methods_layers_and_the_files_exact_weights(tiny, tmp_path, monkeypatch, cache_dir):
+    """EngineConfig.pack_linear=False (``bench agree --unpacked``): no layer is offered to the backend, so the
+    GGUF method's own blocks and ops run, and greedy tokens are the dequantized float32 file's."""
+    from chitu_core import SamplingParams
+
+    hf, tok = tiny[False]
+    types = layer_types(2, attn_q=Q4_1, attn_k=Q4_1, attn_v=Q4_1, attn_output=Q4_0, ffn_gate=Q4_1, ffn_up=Q4_1,
+                        ffn_down=Q8_0)
+    path = write_quantized_gguf(tmp_path / "unpacked.gguf", hf, tok, types, monkeypatch)
+    opts = dict(device="cpu", dtype="float32", load_progress=False, max_model_len=256, max_num_seqs=4)
+    unpacked = LLM(model=resolve_model(path, keep_quantized=True), pack_linear=False, **opts)
+    dense = LLM(model=resolve_model(path), **opts)
+    linears = [m for m in unpacked.engine.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.packed is None and m.qweight.dtype == torch.uint8 for m in linears)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    assert ([o.outputs[0].token_ids for o in unpacked.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in dense.generate(prompts, params)])

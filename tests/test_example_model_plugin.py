@@ -117,3 +117,22 @@ def test_the_conformance_case_catches_a_model_that_ignores_a_multiplier(installe
     assert results[("logits", "float32")][0] == results[("greedy", "float32")][0] == "pass"
     status, detail = results[("transformers", "float32")]
     assert status == "fail" and "NMSE" in detail, detail
+
+
+def test_an_architecture_without_conformance_config_gets_one_skipped_row_saying_why(monkeypatch):
+    """The model case's other path: a class that inherits conformance_config() (its parent's family, not
+    its own) is not run on the parent's config; one row a dtype says what to add."""
+    import chitu_core.plugins.discovery as discovery
+    from chitu_core.conformance import model_cases
+    from chitu_models.llama import LlamaForCausalLM
+
+    class Undeclared(LlamaForCausalLM):
+        pass
+
+    monkeypatch.setattr(discovery, "load_model_class", lambda arch: Undeclared)
+    cls, config, skip = model_cases._plan("UndeclaredForCausalLM")
+    assert cls is Undeclared and config is None
+    assert "declares no conformance_config()" in skip and "docs/writing-a-model.md" in skip
+    cases = model_cases._cases("UndeclaredForCausalLM", cls, config, skip, (torch.float32, torch.bfloat16))
+    assert [(c.row, c.dtype, c.skip) for c in cases] == [("model/UndeclaredForCausalLM", d, skip)
+                                                         for d in (torch.float32, torch.bfloat16)]

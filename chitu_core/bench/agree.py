@@ -62,7 +62,8 @@ def run_agree(args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp
 
     model = args.model or str(default_model_file())
-    llm = LLM(model, device=args.device, dtype=args.dtype, num_threads=args.threads, load_progress=False)
+    llm = LLM(model, device=args.device, dtype=args.dtype, num_threads=args.threads, load_progress=False,
+              pack_linear=not args.unpacked)
     threads = torch.get_num_threads()  # as our backend set them: llama.cpp gets as many
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, logprobs=2)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
@@ -83,14 +84,15 @@ def run_agree(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         peer.close()
     return {"model": model, "backend": llm.engine.backend.name, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-            "quantization": llm.engine.quant.describe(), "threads": threads, "tokens": args.tokens,
+            "quantization": llm.engine.quant.describe(), "packed": not args.unpacked, "threads": threads, "tokens": args.tokens,
             "llama_cpp_version": llama_cpp.__version__, "llamacpp_weights": weights, "rows": rows,
             "identical": sum(r["identical"] for r in rows)}
 
 
 def render(r: dict[str, Any]) -> str:
+    layout = "" if r.get("packed", True) else " in the method's own layout and ops (not packed by the backend)"
     lines = [f"model    {r['model']}",
-             f"ours     {r['backend']}, {r['dtype']}, weights {r['quantization']}, {r['threads']} threads",
+             f"ours     {r['backend']}, {r['dtype']}, weights {r['quantization']}{layout}, {r['threads']} threads",
              f"llama.cpp llama-cpp-python {r['llama_cpp_version']}, {r['threads']} threads, on {r['llamacpp_weights']}",
              f"greedy   {r['tokens']} tokens after each chat prompt, EOS ignored; at the first difference, each "
              "side's token and its top-2 logit gap",
@@ -116,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="host threads, ours and llama.cpp's (default: our backend's choice)")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens after each prompt")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="our weights in the quantization method's own layout and ops (pack_linear off): the file's "
+                             "exact dequantized weights, the ceiling of what any packing of ours can agree")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.set_defaults(run=main)
 

@@ -147,7 +147,8 @@ class LLMEngine:
         self.model.eval()
         if self.backend.transposed_linear_weights():
             store_linear_weights_transposed(self.model)
-        pack_linear_layers(self.model, self.backend)
+        if config.pack_linear:
+            pack_linear_layers(self.model, self.backend)
 
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
         self.vocab_size = hf_config.vocab_size
