@@ -5,7 +5,7 @@ DIR holds what the runs wrote (``plugins/nvidia/scripts/gpu_bench.sh`` writes th
 from ``bench serve --json``, ``gpu_check.json`` (model against transformers, decode profile), and
 ``conformance.md`` from ``python -m chitu_core.conformance --format md``, included as it is, and
 ``MADE_BY``, one line naming the script that made them (default: the GPU scripts), and ``agree.txt``
-from ``bench agree``, included verbatim. Every
+from ``bench agree`` (``agree-unpacked.txt`` from ``bench agree --unpacked``), included verbatim. Every
 number on the page comes from those files; docs commit the page and the files together.
 """
 
@@ -177,9 +177,9 @@ def render(directory: Path) -> str:
     for name, r in loaded.items():
         if "speed" in r and "nmse" in r:
             lines += ["## Quantized against 16-bit (in situ, same random weights)", "", *quant_check_lines(name, r), ""]
-    agree = directory / "agree.txt"
-    if agree.is_file():
-        lines += ["## Greedy agreement with llama.cpp (`python -m chitu_core.bench agree`)", "", "```",
+    for agree in sorted(directory.glob("agree*.txt"), key=lambda f: (f.name != "agree.txt", f.name)):  # then --unpacked
+        flag = " --unpacked" if agree.stem.endswith("unpacked") else ""
+        lines += [f"## Greedy agreement with llama.cpp (`python -m chitu_core.bench agree{flag}`)", "", "```",
                   *agree.read_text().rstrip().splitlines(), "```", ""]
     conformance = directory / "conformance.md"
     if conformance.is_file():

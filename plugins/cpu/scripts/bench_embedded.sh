@@ -17,6 +17,7 @@ for B in 1 16; do
       --threads "$THREADS" --runs 3 --compile-forward --peer llama.cpp --peer-runs 3 --json > "$OUT/offline-b$B-compiled.json"
 done
 $PY -m chitu_core.bench agree --threads "$THREADS" > "$OUT/agree.txt"
+$PY -m chitu_core.bench agree --threads "$THREADS" --dtype float32 --unpacked > "$OUT/agree-unpacked.txt"  # the ceiling
 echo "\`plugins/cpu/scripts/bench_embedded.sh $THREADS\` made them on this machine's CPU (named in each JSON)" > "$OUT/MADE_BY"
 $PY -m chitu_core.bench report "$OUT" > docs/benchmarks/cpu-smollm2.md
 echo "wrote docs/benchmarks/cpu-smollm2.md"
