@@ -6,7 +6,7 @@ once, from memory), the calls replayed from a CUDA graph (``quant_kernels.timed`
 kind: the fastest config, its time, share of the floor, and its error against the float64 reference;
 also whether two calls give the same bits (the split-K order is fixed). A table last.
 
-    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/gemv_sweep.py [int4|fp8 ...]
+    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/gemv_sweep.py
 """
 
 import itertools
@@ -15,10 +15,8 @@ import sys
 import torch
 
 from chitu_core.bench.floor import copy_bandwidth
-from chitu_core.kernels.triton.fp8_linear import fp8_linear
-from chitu_core.kernels.triton.gemv import GemvConfig, int4_gemv, w8_gemv
+from chitu_core.kernels.triton.gemv import GemvConfig, int4_gemv
 from chitu_core.kernels.triton.int4_linear import int4_linear
-from chitu_core.kernels.triton.quant_matmul import MatmulConfig
 from chitu_core.ops import quant_reference as ref
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -55,31 +53,14 @@ def best_of(fn_for, configs, sets):
 
 def int4_configs(n: int, units: int):
     out = []
-    for bn, bk, per_unit, warps, u3, stages in itertools.product((64, 128, 256, 512), (64, 128), (1, 2, 4), (2, 4, 8),
-                                                                (True, False), (1,)):
+    for bn, bk, per_unit, warps, stages in itertools.product((64, 128, 256, 512), (64, 128), (1, 2, 4), (2, 4, 8), (1,)):
         split = max(1, -(-per_unit * units // -(-n // bn)))
-        out.append(GemvConfig(bn, bk, split, warps, stages, u3))
-    return out
-
-
-def w8_configs(n: int, units: int):
-    out = []
-    for bn, per_unit, warps, stages in itertools.product((8, 16, 32, 64), (1, 2, 4, 8), (2, 4, 8), (1,)):
-        split = max(1, -(-per_unit * units // -(-n // bn)))
-        out.append(GemvConfig(bn, 128, split, warps, stages))
-    return out
-
-
-def matmul_configs(n: int, units: int):
-    out = []
-    for bn, per_unit, warps, stages in itertools.product((32,), (4, 6), (4,), (2, 3, 4)):
-        split = max(1, -(-per_unit * units // -(-n // bn)))
-        out.append(MatmulConfig(16, bn, 128, split, True, True, warps, stages))
+        out.append(GemvConfig(bn, bk, split, warps, stages))
     return out
 
 
 def main() -> int:
-    kinds = sys.argv[1:] or ["int4", "fp8"]
+    kinds = ["int4"]
     bw = copy_bandwidth(DEV, torch.cuda.synchronize)
     units = torch.cuda.get_device_properties(DEV).multi_processor_count
     print(f"device {torch.cuda.get_device_name()}, {units} units, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -91,26 +72,16 @@ def main() -> int:
         rows.append((sname, "bf16 cuBLAS", "", f"{us16:.1f}", f"{n * k * 2 / bw * 1e6 / us16:.2f}", "", ""))
         del w16
         for kind in kinds:
-            op = "int4_linear" if kind == "int4" else "fp8_linear"
-            variant = "g128" if kind == "int4" else "a16"
+            op, variant = "int4_linear", "g128"
             args, wbytes = operands(op, n, k, variant)
             sets = copies(lambda i: operands(op, n, k, variant)[0] if i else args, wbytes)
-            old = int4_linear if kind == "int4" else fp8_linear
+            old = int4_linear
             run, calls = rotated(lambda *a: old(x, *a), sets)
             us_old = timed(run, repeats=7, calls=1) / calls
             rows.append((sname, f"{kind} before", "default", f"{us_old:.1f}", f"{wbytes / bw * 1e6 / us_old:.2f}", "", ""))
-            if kind == "int4":
-                fn_for = lambda cfg: (lambda q, s, z, g, b: int4_gemv(x, q, s, z, g, b, cfg))  # noqa: E731
-                configs = int4_configs(n, units)
-                call = lambda cfg: int4_gemv(x, *args, cfg)  # noqa: E731
-            else:
-                fn_for = lambda cfg: (lambda w, s, bs, aq, b: w8_gemv(x, w, s, b, w_kind="fp8", block_size=bs, config=cfg))  # noqa: E731
-                configs = w8_configs(n, units)
-                call = lambda cfg: w8_gemv(x, args[0], args[1], None, w_kind="fp8", block_size=args[2], config=cfg)  # noqa: E731
-            tried = [(f"{kind} gemv", fn_for, configs, call)]
-            if kind == "fp8":
-                tried.append(("fp8 tl.dot", lambda cfg: (lambda w, s, bs, aq, b: fp8_linear(x, w, s, bs, False, b, cfg)),
-                              matmul_configs(n, units), lambda cfg: fp8_linear(x, *args, cfg)))
+            fn_for = lambda cfg: (lambda q, s, z, g, b: int4_gemv(x, q, s, z, g, b, cfg))  # noqa: E731
+            call = lambda cfg: int4_gemv(x, *args, cfg)  # noqa: E731
+            tried = [(f"{kind} gemv", fn_for, int4_configs(n, units), call)]
             for label, fn_for, configs, call in tried:
                 us, cfg = best_of(fn_for, configs, sets)
                 got, again = call(cfg), call(cfg)
