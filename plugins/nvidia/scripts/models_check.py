@@ -6,11 +6,11 @@ DeepSeek-V2, DeepSeek-V3) from the configs below; any other installed architectu
 ``conformance_config()`` (its family's features: soft-capping, sliding windows, partial rotary, ...)
 at the sizes below. Then, on those same weights:
 
-  (a) ours in bfloat16 (LLM(device="nvidia")) against transformers in float32: last-token logits
-      NMSE of four prompts, to be no worse than transformers' own bfloat16 against its float32;
-  (b) 64 greedy tokens of each prompt, ours (bf16) against transformers (float32): equal, or the
-      first divergence falls on a near-tie (transformers' float32 top-2 gap there within two bf16
-      ulps of the top logit);
+  (a) ours in bfloat16 (LLM(device="nvidia")) against transformers in float32: mean last-token logits
+      NMSE of 32 prompts, to be no worse than transformers' own bfloat16 against its float32;
+  (b) 64 greedy tokens of 8 prompts, ours (bf16) against transformers (float32): equal, or the first
+      divergence falls on a near-tie (``near_tie``: within two bf16 ulps, within three sigmas of
+      transformers-bf16's own error there, or transformers-bf16 ranks the two otherwise too);
   (c) batching: a prompt's 64 greedy tokens alone and inside a batch of 16 mixed-length prompts, in float32
       (equal) and in bfloat16 (reported: the equal prefix; other batch shapes round differently).
 
