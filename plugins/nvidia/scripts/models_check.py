@@ -192,8 +192,8 @@ def check(arch: str) -> dict:
         if row["equal_prefix"] < STEPS:
             row.update(near_tie(fp32[i][row["equal_prefix"]], bf16_forced[i][row["equal_prefix"]]))
         rows.append(row)
-    ours = [r["ours_nmse"] for r in rows] + [nmse(first[8 + j], fp32_extra[j]) for j in range(len(extra))]
-    theirs = [r["hf_bf16_nmse"] for r in rows] + [nmse(bf16[8 + j], fp32_extra[j]) for j in range(len(extra))]
+    ours = [r["ours_nmse"] for r in rows] + [nmse(first[len(prompts) + j], fp32_extra[j]) for j in range(len(extra))]
+    theirs = [r["hf_bf16_nmse"] for r in rows] + [nmse(bf16[len(prompts) + j], fp32_extra[j]) for j in range(len(extra))]
     ours_mean, hf_mean = sum(ours) / len(ours), sum(theirs) / len(theirs)
     greedy_ok = all(r["equal_prefix"] == STEPS or r["near_tie"] for r in rows)
     del hf
