@@ -163,3 +163,16 @@ def test_two_tensor_parallel_ranks_match_one(v3, tmp_path):
     assert two["heads"] == 2
     torch.testing.assert_close(two["logits"], logits, rtol=0, atol=1e-4)
     assert two["tokens"] == tokens
+
+
+def test_the_router_stays_float32_in_a_bfloat16_model(v3):
+    """As DeepSeek's reference code and transformers (``_keep_in_fp32_modules_strict``): the gate's
+    weight keeps the checkpoint's float32 values in a bfloat16 model, and its logits are float32."""
+    _, path, hf, _ = v3
+    llm = LLM(path, device="cpu", dtype="bfloat16", load_progress=False, num_threads=1)
+    layer = next(i for i, l in enumerate(hf.model.layers) if hasattr(l.mlp, "gate"))
+    ours = llm.engine.model.model.layers[layer].mlp.gate
+    assert ours.weight.dtype == torch.float32
+    assert torch.equal(ours.weight, hf.model.layers[layer].mlp.gate.weight.detach())
+    x = torch.randn(3, hf.config.hidden_size, dtype=torch.bfloat16)
+    assert ours(x).dtype == torch.float32

@@ -248,24 +248,20 @@ class FusedMoE(nn.Module):
 
 
 class Router(nn.Module):
-    """The gate of an MoE layer: replicated ``weight`` [E, H] in the model dtype; forward(x [T, H]) ->
-    router logits [T, E]. With ``logits_dtype`` (e.g. float32, as DeepSeek computes its gate) x is cast
-    to it and multiplied with a copy of the weight made in that dtype once after loading; otherwise the
-    logits are in the model dtype, as Mixtral and Qwen."""
+    """The gate of an MoE layer: replicated ``weight`` [E, H]; forward(x [T, H]) -> router logits [T, E].
+    With ``logits_dtype`` (float32 for DeepSeek, whose reference code and transformers keep the gate's
+    weight in float32 whatever the model dtype) the weight is held in that dtype, loaded from the
+    checkpoint without rounding, and x is cast to it; otherwise weight and logits are in the model
+    dtype, as Mixtral and Qwen."""
 
     def __init__(self, hidden_size: int, num_experts: int, ctx: BuildContext, logits_dtype: torch.dtype | None = None):
         super().__init__()
         self.ops, self.logits_dtype = ctx.ops, logits_dtype
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=ctx.dtype, device=ctx.device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=logits_dtype or ctx.dtype,
+                                               device=ctx.device), requires_grad=False)
         set_loader(self.weight, default_loader)
-        self.cast_weight: torch.Tensor | None = None
-
-    def process_weights_after_loading(self) -> None:
-        if self.logits_dtype is not None:
-            self.cast_weight = self.weight.data.to(self.logits_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.logits_dtype is None:
             return self.ops.linear(x, self.weight, None)
-        return self.ops.linear(x.to(self.logits_dtype), self.cast_weight, None)
+        return self.ops.linear(x.to(self.logits_dtype), self.weight, None)
