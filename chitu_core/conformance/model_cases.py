@@ -9,7 +9,11 @@ Each model is built twice from one set of random weights: on the CPU in float64 
 ops and attention, and on the backend (its resolved ops, its attention for the model's geometry,
 the case dtype). Where transformers knows the ``model_type`` the weights are a transformers model's
 own, loaded through the model's ``load_weights`` as a checkpoint would be; otherwise the reference's
-parameters are drawn directly. Three prompts of different lengths prefill in one step over shuffled
+parameters are drawn directly. Weights are drawn far from ties: for a mixture-of-experts model, also
+from ties of its routing (a draw where a relative nudge of ``ROUTING_NUDGE`` to some token's router
+logits changes the experts the float64 reference picks is drawn again, from the next seed: an expert
+switched by rounding moves the logits by more than any dtype's threshold, a flaw of the draw, not of
+the backend). Three prompts of different lengths prefill in one step over shuffled
 blocks, then ``DECODE_STEPS`` decode steps follow, teacher-forced with the reference's greedy tokens.
 Three rows judge it: the backend's logits of every step (nmse) and its greedy tokens (its own
 ``greedy_sample``) against the reference's, and, once (float32 column), the reference's logits against
@@ -27,12 +31,16 @@ from chitu_core.conformance.compare import Verdict, compare, compare_argmax
 from chitu_core.distributed.communicator import Communicator
 from chitu_core.errors import ChituError
 from chitu_core.layers.context import BuildContext, StepContext
+from chitu_core.ops import reference
 from chitu_core.ops.table import resolve_ops
 
 ROWS = ("logits", "greedy", "transformers")
 PROMPTS = (5, 17, 30)
 DECODE_STEPS = 6
 REFERENCE_BLOCK = 16
+ROUTING_NUDGE = 0.012
+"""Relative size (of a token's router-logit spread) of the nudges a draw's routing must withstand."""
+MAX_DRAWS = 60
 
 
 def hf_config(config: dict):
@@ -125,10 +133,23 @@ class ModelRun:
         return self.reference_run
 
     def _reference(self):
-        gen = torch.Generator().manual_seed(1234)
+        for draw in range(MAX_DRAWS):  # the first draw, unless its routing sits on a tie
+            routes: list[tuple] = []
+            result = self._draw(1234 + draw, routes)
+            if not _routing_near_tie(routes):
+                break
+        return result
+
+    def _draw(self, seed: int, routes: list[tuple]):
+        gen = torch.Generator().manual_seed(seed)
         config, known = hf_config(self.config)
         cpu = torch.device("cpu")
-        model, attn, layers = _build(self.model_cls, config, _NoAttention, resolve_ops("reference", {}),
+
+        def moe_route(router_logits, *args, **kwargs):  # the reference's, its inputs kept for _routing_near_tie
+            routes.append((router_logits.clone(), args, kwargs))
+            return reference.moe_route(router_logits, *args, **kwargs)
+
+        model, attn, layers = _build(self.model_cls, config, _NoAttention, resolve_ops("reference", {"moe_route": moe_route}),
                                      torch.float64, cpu, REFERENCE_BLOCK)
         hf = None
         if known:  # transformers' own weights, loaded by name as a checkpoint is
@@ -186,6 +207,20 @@ class ModelRun:
         except Exception as exc:  # the backend's own failure is the case's result
             return None, None, raised(exc, f"{self.arch} forward").verdict.detail
         return (want, torch.cat([g.cpu() for g in got]), torch.cat([g.cpu() for g in greedy])), _source(target), ""
+
+
+def _routing_near_tie(routes: list[tuple]) -> bool:
+    """Whether nudging some token's router logits by ROUTING_NUDGE of their spread (eight fixed random
+    nudges) changes the set of experts the reference routes it to."""
+    gen = torch.Generator().manual_seed(99)
+    for logits, args, kwargs in routes:
+        chosen = reference.moe_route(logits, *args, **kwargs)[1].sort(-1).values
+        spread = logits.std(-1, keepdim=True)
+        for _ in range(8):
+            nudged = logits + ROUTING_NUDGE * spread * torch.randn(logits.shape, generator=gen, dtype=logits.dtype)
+            if not torch.equal(reference.moe_route(nudged, *args, **kwargs)[1].sort(-1).values, chosen):
+                return True
+    return False
 
 
 def _source(target: Target) -> str:
