@@ -325,6 +325,26 @@ def test_perf_mode_times_every_case_it_runs(outside):
     assert "## Performance" in out and "| `all_reduce` | float32 | 1048576 |" in out
 
 
+def test_parts_merge_into_the_whole_runs_matrix(outside):
+    def run(*args):
+        code, out, err = conformance(outside, "--backend", "cpu", "--dtypes", "float32,bfloat16", *args)
+        assert code == 0, out + err
+        return out
+
+    for name, ops in (("norms", "rms_norm,layer_norm"), ("acts", "silu_and_mul")):
+        run("--ops", ops, "--format", "json", "--output", str(outside / f"{name}.json"))
+    whole = run("--ops", "rms_norm,layer_norm,silu_and_mul")
+    code, merged, err = conformance(outside, "--merge", str(outside / "norms.json"), str(outside / "acts.json"))
+    assert code == 0, err
+    assert matrix_rows(merged) == matrix_rows(whole) and len(matrix_rows(whole)) == 3
+    # Parts of another backend (here: its name changed) are refused, with both environments named.
+    other = json.loads((outside / "acts.json").read_text())
+    other["environment"]["backend"] = "acme"
+    (outside / "other.json").write_text(json.dumps(other))
+    code, _, err = conformance(outside, "--merge", str(outside / "norms.json"), str(outside / "other.json"))
+    assert code == 2 and "'backend': 'acme'" in err and "merge the parts of one run only" in err
+
+
 @pytest.fixture(scope="module")
 def acme(tmp_path_factory) -> Path:
     """The example vendor plugin, installed as is."""
