@@ -55,6 +55,7 @@ def test_offline_json_is_consistent(tiny_dir):
     r = json.loads(bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size", str(B),
                          "--input-len", str(I), "--output-len", str(O), "--warmup", "1", "--json"))
     assert (r["backend"], r["device"], r["dtype"], r["architecture"]) == ("cpu", "cpu:0", "float32", "LlamaForCausalLM")
+    assert r["emulated"] is False
     c = r["model_config"]
     assert (c["num_hidden_layers"], c["hidden_size"], c["vocab_size"]) == (2, 64, 512)
     assert c["num_parameters"] > 0
@@ -136,6 +137,20 @@ def test_report_of_an_offline_run(tiny_dir, tmp_path):
     assert row[2:4] == ["2", "4/3"]
     assert row[4].startswith(f"{r['decode_tok_per_s']:.1f} (") and row[7] == f"{100 * r['floor_fraction']:.1f}%"
     assert row[8:] == ["-", "- |"]  # no peer
+
+
+def test_report_pairs_an_emulated_run_with_the_devices_own_backend_of_the_same_shape(tiny_dir, tmp_path):
+    out = json.loads(bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size",
+                           "2", "--input-len", "4", "--output-len", "3", "--warmup", "0", "--json"))
+    emulated = dict(out, backend="acme", emulated=True, decode_tok_per_s=out["decode_tok_per_s"] / 2)
+    other_batch = dict(emulated, batch_size=4)  # no run of the device's own backend at batch 4: no row
+    for name, r in (("own-b2", out), ("acme-b2", emulated), ("acme-b4", other_batch)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    page = bench("report", str(tmp_path))
+    assert "## Backends in emulation against the device's own" in page
+    rows = [line.split(" | ") for line in page.splitlines() if line.startswith("| acme-")]
+    table = [r for r in rows if r[1] == "acme"]  # the emulation table's rows (the offline table names the model there)
+    assert [(r[0], r[5], r[-1]) for r in table] == [("| acme-b2", "own-b2 (cpu)", "0.500 |")]
 
 
 def test_moe_floor_counts_the_routed_experts(tmp_path):

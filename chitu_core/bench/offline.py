@@ -187,6 +187,8 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
             "num_parameters": parameter_count(engine.model),
         },
         "backend": engine.backend.name,
+        # a backend in a documented emulation mode (its kernel configuration on another vendor's device)
+        "emulated": bool(getattr(engine.backend, "emulated", lambda: False)()),
         "device": str(engine.device),
         "device_name": engine.backend.device_name(),
         "dtype": str(engine.dtype).removeprefix("torch."),
@@ -260,7 +262,8 @@ def render(r: dict[str, Any]) -> str:
         f"model    {r['model']}: {r['architecture']}, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
         f"heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv, vocab {c['vocab_size']}, "
         f"{c['num_parameters'] / 1e6:.1f}M parameters" + (", dummy weights" if r.get("load_format") == "dummy" else ""),
-        f"backend  {r['backend']} ({r['device']}), {r['dtype']}, {r['threads']} threads"
+        f"backend  {r['backend']} ({r['device']}{', emulated on ' + r['device_name'] if r.get('emulated') else ''}), "
+        f"{r['dtype']}, {r['threads']} threads"
         + (", forward compiled" if r.get("compile_forward") else "")
         + (f", weights {r['quantization']}" if r.get("quantization", "unquantized") != "unquantized" else ""),
         f"batch    {r['batch_size']} x {r['input_len']} input tokens -> {r['output_len']} output tokens each, "

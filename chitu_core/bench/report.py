@@ -3,7 +3,8 @@
 DIR holds what the runs wrote (``plugins/nvidia/scripts/gpu_bench.sh`` writes them so):
 ``*.json`` from ``bench offline --json`` (recognised by their "floor"), ``serve-<placement>.json``
 from ``bench serve --json``, ``gpu_check.json`` (model against transformers, decode profile), and
-``conformance.md`` from ``python -m chitu_core.conformance --format md``, included as it is, and
+``conformance.md`` (and ``conformance-<name>.md``, other backends' or parts') from ``python -m
+chitu_core.conformance --format md``, included as they are, ``emulation.json`` (emulation_check.py), and
 ``MADE_BY``, one line naming the script that made them (default: the GPU scripts), and ``agree.txt``
 from ``bench agree`` (``agree-unpacked.txt`` from ``bench agree --unpacked``), included verbatim. Every
 number on the page comes from those files; docs commit the page and the files together.
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from chitu_core.bench.report_backends import emulation_table, emulation_tokens_lines
 from chitu_core.bench.report_scaleout import allreduce_lines, cpu_experts_lines, scaling_table, tokens_line
 
 
@@ -142,6 +144,14 @@ def render(directory: Path) -> str:
                   f"{' and '.join(weights)[:1].upper()}{' and '.join(weights)[1:]}, greedy, ignore_eos; the floor is the "
                   "bytes a mean decode step reads (weights it multiplies with, plus the KV cache) over the copy "
                   "bandwidth measured in that run.", "", *offline_table(offline), ""]
+    if emulation_table(offline):
+        lines += ["## Backends in emulation against the device's own", "",
+                  "A backend in its documented emulation mode (`CHITU_EMULATE=<name>`: its own kernel configuration, "
+                  "its vendor checks skipped) on this device, against the device's own backend in the same session.", "",
+                  *emulation_table(offline), ""]
+    if "emulation" in loaded:
+        lines += ["## Greedy tokens in emulation (`plugins/nvidia/scripts/emulation_check.py`)", "",
+                  *emulation_tokens_lines(loaded["emulation"]), ""]
     if any(r.get("floor_ranks") for _, r in offline):
         lines += ["## Several ranks against one", "",
                   "Each multi-rank run (torchrun, one process a GPU; its floor: every rank's own bytes over its own "
@@ -181,8 +191,7 @@ def render(directory: Path) -> str:
         flag = " --unpacked" if agree.stem.endswith("unpacked") else ""
         lines += [f"## Greedy agreement with llama.cpp (`python -m chitu_core.bench agree{flag}`)", "", "```",
                   *agree.read_text().rstrip().splitlines(), "```", ""]
-    conformance = directory / "conformance.md"
-    if conformance.is_file():
+    for conformance in sorted(directory.glob("conformance*.md"), key=lambda f: (f.name != "conformance.md", f.name)):
         body = conformance.read_text().strip().splitlines()
         lines += [*("#" + line if line.startswith("#") else line for line in body), ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -12,7 +12,9 @@
 # with dummy weights, MOE_BENCH "config:batch ..."; PEER=hf compares transformers on its own random weights), quant
 # (quantized linears' and methods' conformance rows, quant_check.py: in-situ fp8/int8/int4 and the fp8 KV cache on
 # the Llama-3.1-8B config against bf16), quantbench (Llama-3.1-8B config, dummy weights, QUANT_BENCH "method:batch ..."
-# with method bf16, fp8, int8 or int4).
+# with method bf16, fp8, int8 or int4), emulate (the Hygon and MetaX backends in emulation, CHITU_EMULATE: their
+# conformance suites in parts side by side, merged; EMULATED names them), emulatebench (their greedy tokens against
+# this backend's: emulation_check.py; Llama-3.1-8B config, dummy weights, batch 1 and 64 on this backend and each).
 # Commit what $OUT holds under docs/benchmarks/<machine>/ and make the page from it:
 #   python -m chitu_core.bench report docs/benchmarks/<machine> > docs/benchmarks/<machine>.md
 set -uo pipefail
@@ -23,7 +25,8 @@ if [ ! -d ~/site/pydantic ]; then
   python3 -m pip install -q --no-index --no-deps --target ~/site $(ls .whl/*.whl | grep -v setuptools)
 fi
 rm -rf ~/chitu
-PYTHONPATH=~/bt python3 -m pip install -q --no-index --no-deps --no-build-isolation --target ~/chitu . ./models ./plugins/nvidia ./plugins/cpu
+PYTHONPATH=~/bt python3 -m pip install -q --no-index --no-deps --no-build-isolation --target ~/chitu . ./models ./plugins/nvidia ./plugins/cpu \
+  ./plugins/hygon ./plugins/muxi
 export PYTHONPATH=~/chitu:~/site
 ROOT=$(pwd)
 cd /tmp
@@ -73,6 +76,46 @@ for step in "$@"; do
            [ -d /tmp/$name ] || python3 -m chitu_core.bench random-model --like $name --config-only --out /tmp/$name
            bench $name-b$b --model /tmp/$name --batch-size $b --load-format dummy --dtype bfloat16
          done ;;
+    emulate) emulated=${EMULATED:-hygon muxi}
+             parts=("*norm*,rotary*,*_and_mul,linear,embedding,greedy_sample,apply_*,log_softmax,random_sample,sampler,all_gather,all_reduce,broadcast,reduce_scatter,send_recv"
+                    "moe_route,fused_experts" "fused_experts_fp8" "fp8_linear,int8_linear" "int4_linear,gguf_linear" "quant*"
+                    "attention/*/fp8-kv" "attention/*/softcap*,attention/*/window" "attention/triton-dcu,attention/triton-maca"
+                    "mla_attention*" "model/[A-L]*" "model/[M-Z]*")
+             for b in $emulated; do  # every case in exactly one part?
+               CHITU_EMULATE=$b python3 - $b "${parts[@]}" <<'PY'
+import fnmatch, sys
+from chitu_core.conformance.runner import build_cases, load_target
+cases = build_cases(load_target(sys.argv[1]))
+hits = [sum(any(fnmatch.fnmatchcase(c.row, p) or fnmatch.fnmatchcase(c.op, p) for p in part.split(",")) for part in sys.argv[2:])
+        for c in cases]
+print(sys.argv[1], len(cases), "cases;", "in no part:", sorted({c.row for c, h in zip(cases, hits) if h == 0}) or "none",
+      "in several:", sorted({c.row for c, h in zip(cases, hits) if h > 1}) or "none")
+PY
+             done
+             for b in $emulated; do  # the suite in parts side by side (it takes minutes whole, mostly compiling), then merged;
+               for i in "${!parts[@]}"; do  # two host threads a part: 24 processes of 16 threads each thrashed the 16 cores
+                 OMP_NUM_THREADS=2 CHITU_EMULATE=$b timeout ${PART_TIMEOUT:-3000} python3 -m chitu_core.conformance --backend $b --ops "${parts[$i]}" --format json \
+                   --output "$OUT/conformance-$b-part$(printf %02d $i).json" > /dev/null 2> "$OUT/conformance-$b-part$(printf %02d $i).err" &
+               done
+             done
+             wait; date +%T
+             for b in $emulated; do
+               if [ $(ls "$OUT"/conformance-$b-part*.json 2>/dev/null | wc -l) != ${#parts[@]} ]; then
+                 echo "$b: parts did not finish:"; for f in "$OUT"/conformance-$b-part*.err; do [ -f ${f%.err}.json ] || tail -2 $f; done
+                 continue
+               fi
+               python3 -m chitu_core.conformance --merge "$OUT"/conformance-$b-part*.json --format md > "$OUT/conformance-$b.md"
+               rm -f "$OUT"/conformance-$b-part*; tail -3 "$OUT/conformance-$b.md"
+             done ;;
+    emulatebench) OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/emulation_check.py" ${EMULATED:-hygon muxi} || echo "emulation_check failed: $?"
+             [ -d /tmp/llama8b-config ] || python3 -m chitu_core.bench random-model --like llama-3.1-8b --config-only --out /tmp/llama8b-config
+             for b in nvidia ${EMULATED:-hygon muxi}; do
+               for n in 1 64; do
+                 if [ $b = nvidia ]; then unset CHITU_EMULATE; else export CHITU_EMULATE=$b; fi
+                 PEER=none bench $b-b$n --device $b --model /tmp/llama8b-config --load-format dummy --dtype bfloat16 --batch-size $n
+               done
+             done
+             unset CHITU_EMULATE ;;
     quant) python3 -m chitu_core.conformance --backend nvidia --ops '*_linear,quant/*' --dtypes bfloat16,float16,float32 \
              --format md --quiet > "$OUT/conformance-quant.md"; tail -14 "$OUT/conformance-quant.md"
            OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/quant_check.py" /tmp/llama8b-config || echo "quant_check failed: $?" ;;
