@@ -105,6 +105,18 @@ def test_offline_floor_runs_and_transformers_peer(tiny_dir):
     assert r["speedup_over_peer"] == pytest.approx(r["decode_tok_per_s"] / p["decode_tok_per_s"], abs=1e-3)
 
 
+def test_peer_mode_eager_keeps_transformers_default_at_batch_one(tiny_dir):
+    """At batch 1 the peer's fastest mode is a static cache (compiled where transformers compiles it);
+    --peer-mode eager runs transformers as it runs by default, as the issues' first figures did."""
+    modes = {}
+    for mode in ("fastest", "eager"):
+        r = json.loads(bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size",
+                             "1", "--input-len", "4", "--output-len", "4", "--no-profile", "--peer", "hf", "--peer-mode",
+                             mode, "--json"))
+        modes[mode] = r["peer"]["mode"]
+    assert modes["fastest"].startswith("static cache") and modes["eager"] == "eager generate, dynamic cache"
+
+
 def test_unknown_config_is_an_argument_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["random-model", "--like", "gpt-5", "--out", str(tmp_path)])

@@ -240,7 +240,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
         else:
             sync = lambda: backend.synchronize(index)  # noqa: E731
             peer = {"name": name, **run_hf(model_dir, device, dtype, prompts, O, args.peer_runs, sync, dummy=dummy,
-                                           peer=choice)}
+                                           peer=choice, compile_batch_one=args.peer_mode == "fastest")}
     except Exception as exc:  # the peer's failure is reported, ours still stands
         peer = {"name": name, "mode": "failed", "error": f"{type(exc).__name__}: {exc}"[:500], "output_tok_per_s": None,
                 "decode_tok_per_s": None}
@@ -347,6 +347,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "llama.cpp: llama.cpp on the same GGUF file, the first prompt at batch 1, on --threads "
                         "host threads (needs llama-cpp-python: pip install 'chitu-core[bench-llamacpp]')")
     parser.add_argument("--peer-runs", type=int, default=1, help="measured runs of the peer (median)")
+    parser.add_argument("--peer-mode", choices=("fastest", "eager"), default="fastest",
+                        help="hf: fastest = its fastest mode for the batch (at batch 1 a static cache, which generate "
+                        "compiles); eager = eager generate with its dynamic cache at every batch (how transformers runs "
+                        "by default); the report names the mode")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="time each step's forward (one more device sync a step)")
     parser.add_argument("--enforce-eager", action="store_true", help="no decode graphs")

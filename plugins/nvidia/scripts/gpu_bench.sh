@@ -2,7 +2,7 @@
 # The NVIDIA backend's acceptance runs on a lent GPU machine, from the repository root, with the
 # missing wheels in .whl (bash ../shared/gpu/wheels.sh, plus setuptools). Writes under $OUT.
 #   bash plugins/nvidia/scripts/gpu_bench.sh conformance bench8b smollm   # any of the steps, in order
-# PEER=none skips transformers. Steps: conformance (the op suite's matrix), bench8b (Llama-3.1-8B config, random bf16 weights,
+# PEER=none skips transformers; PEER_MODE=eager runs it eager at batch 1 too (default: its fastest mode). Steps: conformance (the op suite's matrix), bench8b (Llama-3.1-8B config, random bf16 weights,
 # batch 1 and 64, against transformers), smollm (SmolLM2-135M config, batch 1), check (kernels,
 # model against transformers, profile: gpu_check.py), profile (kernels of decode steps: PROFILES
 # "model:batch ..." of the models bench8b/smollm made), serve (bench serve on a live server, engine in a
@@ -33,7 +33,8 @@ cd /tmp
 
 bench() {  # name, then bench offline arguments
   local name=$1; shift
-  python3 -m chitu_core.bench offline --input-len 128 --output-len 256 --runs 3 --no-profile --peer ${PEER:-hf} "$@" \
+  python3 -m chitu_core.bench offline --input-len 128 --output-len 256 --runs 3 --no-profile --peer ${PEER:-hf} \
+    --peer-mode ${PEER_MODE:-fastest} "$@" \
     --json > "$OUT/$name.json" 2> "$OUT/$name.err" || tail -20 "$OUT/$name.err"
   python3 - "$OUT/$name.json" <<'EOF'
 import json, sys
