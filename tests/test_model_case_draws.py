@@ -7,12 +7,14 @@ that fixes it: the tie detector, and every in-tree MoE architecture's draw passi
 threshold on the reference ops.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from chitu_core.conformance import model_cases as mc
-from chitu_core.conformance.attention_cases import allocate_blocks
-from chitu_core.conformance.thresholds import default
+from chitu_core.conformance.case import Target
+from chitu_core.conformance.thresholds import ThresholdBook, default
 from chitu_core.ops.table import resolve_ops
 from chitu_core.plugins.discovery import load_model_class
 
@@ -33,17 +35,9 @@ def test_a_tie_between_the_kth_and_next_expert_is_found_and_a_clear_choice_is_no
 def test_moe_draws_meet_the_float16_threshold_on_the_reference_ops(arch):
     cls = load_model_class(arch)
     run = mc.ModelRun(arch, cls, cls.conformance_config())
-    reference, steps, want, _ = run.reference()
-    config, _ = mc.hf_config(run.config)
-    cpu = torch.device("cpu")
-    model, attn, layers = mc._build(cls, config, mc._NoAttention, resolve_ops("reference", {}), torch.float16, cpu)
-    with torch.no_grad():
-        for (_, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
-            p.copy_(r)
-    model.process_weights_after_loading()
-    tables = allocate_blocks(torch.Generator().manual_seed(4321), [n + mc.DECODE_STEPS for n in mc.PROMPTS],
-                             attn.block_size)[0]
-    stepper = mc._Stepper(model, attn, layers, tables, cpu)
-    got = torch.cat([stepper.step(ids, contexts).double() for ids, contexts in steps])
-    nmse = float((got - want).square().sum() / want.square().sum())
+    # The case's own run, on a target whose ops and attention are the reference's, in float16.
+    target = Target(mc._NoAttention, resolve_ops("reference", {}), torch.device("cpu"), ThresholdBook())
+    (want, got, _), _, problem = run._run(target, SimpleNamespace(dtype=torch.float16))
+    assert not problem
+    nmse = float((got.double() - want).square().sum() / want.square().sum())
     assert nmse <= default("model_logits", torch.float16).limit, (arch, nmse)

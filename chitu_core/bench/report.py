@@ -144,11 +144,11 @@ def render(directory: Path) -> str:
                   f"{' and '.join(weights)[:1].upper()}{' and '.join(weights)[1:]}, greedy, ignore_eos; the floor is the "
                   "bytes a mean decode step reads (weights it multiplies with, plus the KV cache) over the copy "
                   "bandwidth measured in that run.", "", *offline_table(offline), ""]
-    if emulation_table(offline):
+    if emulated := emulation_table(offline):
         lines += ["## Backends in emulation against the device's own", "",
                   "A backend in its documented emulation mode (`CHITU_EMULATE=<name>`: its own kernel configuration, "
                   "its vendor checks skipped) on this device, against the device's own backend in the same session.", "",
-                  *emulation_table(offline), ""]
+                  *emulated, ""]
     if "emulation" in loaded:
         lines += ["## Greedy tokens in emulation (`plugins/nvidia/scripts/emulation_check.py`)", "",
                   *emulation_tokens_lines(loaded["emulation"]), ""]

@@ -135,12 +135,20 @@ class ModelRun:
     def _reference(self):
         for draw in range(MAX_DRAWS):  # the first draw, unless its routing sits on a tie
             routes: list[tuple] = []
-            result = self._draw(1234 + draw, routes)
+            model, steps, want, hf, prompts = self._draw(1234 + draw, routes)
             if not _routing_near_tie(routes):
                 break
-        return result
+        theirs = None
+        if hf is not None:  # transformers on the kept draw's tokens
+            fed = torch.stack([w.argmax(-1) for w in want[:-1]], dim=1)  # [B, DECODE_STEPS]
+            with torch.no_grad():
+                full = [hf(torch.cat([p, f])[None]).logits[0, len(p) - 1:] for p, f in zip(prompts, fed)]
+            theirs = torch.cat([torch.stack([f[s] for f in full]) for s in range(DECODE_STEPS + 1)])
+        return model, steps, torch.cat(want), theirs
 
     def _draw(self, seed: int, routes: list[tuple]):
+        """One draw's reference run: (model, steps, each step's logits, transformers' model or None,
+        prompts); ``routes`` gets every routing call's inputs."""
         gen = torch.Generator().manual_seed(seed)
         config, known = hf_config(self.config)
         cpu = torch.device("cpu")
@@ -172,13 +180,7 @@ class ModelRun:
         for s in range(DECODE_STEPS + 1):
             want.append(run.step(*steps[-1]))
             steps.append(([t.view(1) for t in want[-1].argmax(-1)], [n + s for n in PROMPTS]))
-        theirs = None
-        if hf is not None:
-            fed = torch.stack([w.argmax(-1) for w in want[:-1]], dim=1)  # [B, DECODE_STEPS]
-            with torch.no_grad():
-                full = [hf(torch.cat([p, f])[None]).logits[0, len(p) - 1:] for p, f in zip(prompts, fed)]
-            theirs = torch.cat([torch.stack([f[s] for f in full]) for s in range(DECODE_STEPS + 1)])
-        return model, steps[:-1], torch.cat(want), theirs
+        return model, steps[:-1], want, hf, prompts
 
     def get(self, target: Target, case: Case):
         if case.dtype not in self.results:
