@@ -111,7 +111,7 @@ def test_async_equals_one_step_at_a_time(model_path, monkeypatch, graphs):
     assert sum(continued) > 10  # most decode steps were continuations
     assert engine.stats.num_generated_tokens == sync_engine.stats.num_generated_tokens
     bm = engine.block_manager
-    assert engine._launched is None and not engine.requests and bm.num_free == bm.num_blocks
+    assert not engine._in_flight and not engine.requests and bm.num_free == bm.num_blocks
 
 
 def test_abort_while_the_next_step_runs(model_path, monkeypatch):

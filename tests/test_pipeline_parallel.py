@@ -15,6 +15,7 @@ from chitu_cpu.backend import CpuBackend
 
 from chitu_core import LLM, SamplingParams
 from chitu_core.backend import MemoryInfo
+from chitu_core.bench.floor import aggregate_floor
 from chitu_core.distributed.pipeline import micro_batches
 from chitu_core.errors import ChituError
 from chitu_core.layers.stage import stage_layers
@@ -42,6 +43,18 @@ def test_micro_batches_only_for_decode_steps_of_eight_sequences_a_stage():
     assert micro_batches(26, 3, decode=True) == [range(0, 9), range(9, 18), range(18, 26)]
     assert micro_batches(40, 2, decode=False) == [range(40)]
     assert micro_batches(40, 1, decode=True) == [range(40)]
+
+
+def test_floor_of_a_pipeline_with_groups_in_flight_is_its_slowest_stage():
+    # Two stages of one rank, 10 GB/s each; stage 1 reads more weights. GB over GB/s: seconds.
+    floors = [{"pp_rank": 0, "weight_bytes": 2e9, "kv_bytes_mean": 1e9, "copy_gbps": 10.0, "step_ms": 300.0},
+              {"pp_rank": 1, "weight_bytes": 3e9, "kv_bytes_mean": 1e9, "copy_gbps": 10.0, "step_ms": 400.0}]
+    one_group = aggregate_floor(floors, 64)
+    assert one_group["step_ms"] == 700.0 and one_group["decode_tok_per_s"] == round(64 / 0.7, 3)
+    two_groups = aggregate_floor(floors, 64, groups=2)  # stage 1: (2 x 3 + 1) GB at 10 GB/s
+    assert two_groups["step_ms"] == 700.0 and two_groups["weight_bytes"] == 5e9
+    floors[1]["weight_bytes"] = 1e9  # now stage 0 is the slower: (2 x 2 + 1) GB
+    assert aggregate_floor(floors, 64, groups=2)["step_ms"] == 500.0
 
 
 @pytest.fixture(scope="module")
@@ -84,31 +97,18 @@ def arrivals() -> list[tuple[int, list[int], SamplingParams]]:
 
 
 def drive(llm) -> tuple[list, int]:
-    """Run ``arrivals()`` step by step: each request's tokens (and logprobs), and the most
-    micro-batches one step ran in."""
-    runner, parts, most = llm.engine.runner, [0], [0]
-    forward, launch = runner._forward, runner.launch
-
-    def counted_forward(*args):
-        parts[0] += 1
-        return forward(*args)
-
-    def counted_launch(*args, **kw):
-        parts[0] = 0
-        pending = launch(*args, **kw)
-        most[0] = max(most[0], parts[0])
-        return pending
-
-    runner._forward, runner.launch = counted_forward, counted_launch
-    engine, outs, step = llm.engine, [], 0
+    """Run ``arrivals()`` step by step: each request's tokens (and logprobs), and the most steps the
+    engine held in flight (launched, not yet processed) after a step."""
+    engine, outs, step, most = llm.engine, [], 0, 0
     pending = arrivals()
     while pending or engine.has_unfinished():
         while pending and pending[0][0] <= step:
             _, prompt, params = pending.pop(0)
             outs.append(engine.add_request(f"r{len(outs)}", prompt, params))
         engine.step()
+        most = max(most, len(engine._in_flight))
         step += 1
-    return [(o.seqs[0].output_token_ids, o.seqs[0].output_logprobs) for o in outs], most[0]
+    return [(o.seqs[0].output_token_ids, o.seqs[0].output_logprobs) for o in outs], most
 
 
 def graphed(path, **kwargs):
@@ -198,12 +198,12 @@ def test_stages_match_one_process(models, one, world, pp):
             assert sum(got[name][3]["params"] for got in ranks.values()) == one[name][3]["params"] + copy, name
 
     ref = one["extras"]
-    assert ref["eager"][1] == ref["graphs"][1] == 1  # one process never splits a step
+    assert ref["eager"][1] == ref["graphs"][1] == 1  # one process keeps one step in flight
     for rank, got in ranks.items():
         got = got["extras"]
         for mode in ("eager", "graphs"):
             outputs, most_parts = got[mode]
-            assert most_parts == pp, f"rank {rank} {mode}: decode steps of 16 sequences and more run as micro-batches"
+            assert most_parts == pp, f"rank {rank} {mode}: decode batches of 16 sequences and more run as groups in flight"
             for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(outputs, ref[mode][0]):
                 assert tokens == ref_tokens, f"rank {rank} {mode}"
                 same_logprobs(logprobs, ref_logprobs)

@@ -183,7 +183,7 @@ def test_constrained_rows_are_never_launched_ahead_and_share_batches(model_path,
     assert any(ahead for _, ahead in launches)  # once alone, the free request runs ahead again
     assert engine.runner.constraints.grammars.num_compiled == 2 and len(engine.runner.constraints) == 0  # dropped
     bm = engine.block_manager
-    assert engine._launched is None and bm.num_free == bm.num_blocks
+    assert not engine._in_flight and bm.num_free == bm.num_blocks
 
 
 def test_a_repeated_schema_compiles_once(llm):

@@ -139,13 +139,18 @@ def gather_floors(parallel, floor: dict) -> list[dict] | None:
     return floors
 
 
-def aggregate_floor(floors: list[dict], batch_size: int) -> dict:
+def aggregate_floor(floors: list[dict], batch_size: int, groups: int = 1) -> dict:
     """The run's floor from its ranks' (each with "pp_rank"): the bytes and bandwidths add up; a step
-    waits for the slowest rank of each pipeline stage, and a batch passes the stages one after another."""
+    waits for the slowest rank of each pipeline stage. One group: the batch passes the stages one
+    after another. ``groups`` > 1 (a pipeline's decode batch as groups in flight,
+    ``chitu_core.distributed.pipeline``): the stages work at once, each reading its weights once per
+    group and its KV once per round, and the round in which every group advances a token takes as
+    long as the slowest stage."""
     stages: dict[int, float] = {}
     for f in floors:
-        stages[f["pp_rank"]] = max(stages.get(f["pp_rank"], 0.0), f["step_ms"])
-    step_ms = sum(stages.values())
+        ms = f["step_ms"] if groups == 1 else (groups * f["weight_bytes"] + f["kv_bytes_mean"]) / f["copy_gbps"] / 1e6
+        stages[f["pp_rank"]] = max(stages.get(f["pp_rank"], 0.0), ms)
+    step_ms = sum(stages.values()) if groups == 1 else max(stages.values())
     total = {k: sum(f[k] for f in floors) for k in ("weight_bytes", "kv_bytes_mean", "expert_bytes_all",
                                                     "expert_bytes_routed_mean") if k in floors[0]}
     return {"copy_gbps": round(sum(f["copy_gbps"] for f in floors), 1), **total, "step_ms": round(step_ms, 4),

@@ -25,6 +25,7 @@ from chitu_core.bench import peer_llamacpp
 from chitu_core.bench.floor import (RoutedExperts, aggregate_floor, copy_bandwidth, decode_kv_bytes, gather_floors,
                                     parameter_count, weight_bytes_read)
 from chitu_core.bench.peer import choose_peer, run_hf
+from chitu_core.distributed.pipeline import micro_batches
 from chitu_core.engine.llm import LLM
 from chitu_core.loader.gguf import default_model_file, resolve_model
 from chitu_core.loader.hf import open_model_dir
@@ -212,7 +213,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any] | None:
         if floors is None:
             return None
         report["floor_ranks"] = floors
-        floor = aggregate_floor(floors, B)
+        floor = aggregate_floor(floors, B, len(micro_batches(B, parallel.pp_size, decode=True)))
     report["floor"] = floor
     if report["decode_tok_per_s"]:
         report["floor_fraction"] = round(report["decode_tok_per_s"] / floor["decode_tok_per_s"], 4)

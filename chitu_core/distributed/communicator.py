@@ -135,6 +135,16 @@ class Communicator:
             self._in_place(x, lambda buf: dist.broadcast(buf, src=src, group=self.group))
         return x
 
+    def broadcast_async(self, x: Tensor, src: int = 0) -> "Pending":
+        """Start broadcasting the contiguous ``x`` from rank ``src``; ``wait()`` on the result before
+        reading ``x`` (on a device with streams, the wait orders the current stream after the transfer
+        and returns at once; else it blocks). ``x`` must stay unchanged and alive until then."""
+        if self.world_size == 1:
+            return Pending(None)
+        if not x.is_contiguous():
+            raise ValueError("broadcast_async takes a contiguous tensor")
+        return Pending(dist.broadcast(x, src=src, group=self.group, async_op=True))
+
     def send(self, x: Tensor, dst: int) -> None:
         """Send x to the group's rank ``dst`` (blocking)."""
         dist.send(x.contiguous(), dst=self.ranks[dst], group=self.group)
@@ -144,3 +154,16 @@ class Communicator:
         buf = x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
         dist.recv(buf, src=self.ranks[src], group=self.group)
         return x if buf is x else x.copy_(buf)
+
+
+class Pending:
+    """A collective in flight (``Communicator.broadcast_async``): ``wait()`` once before using its
+    result; later calls return at once."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None

@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from chitu_core.attention.mla import ReferenceMLAAttention
 from chitu_core.attention.reference import ReferenceAttention
 from chitu_core.config import EngineConfig
 from chitu_core.distributed.parallel import Parallel
-from chitu_core.distributed.pipeline import StageLink
+from chitu_core.distributed.pipeline import StageLink, micro_batches
 from chitu_core.engine.block_manager import BlockManager
 from chitu_core.engine.detokenizer import IncrementalDetokenizer
 from chitu_core.engine.graphs import DecodeGraphs
@@ -178,7 +179,9 @@ class LLMEngine:
             with torch.inference_mode():
                 self.runner.graphs.capture()
         self.requests: dict[str, Request] = {}
-        self._launched: PendingStep | None = None  # a step whose tokens the host has not processed yet
+        # Launched steps whose tokens the host has not processed yet, oldest first: one, or under
+        # pipeline parallelism one for each group of a decode batch (``pipeline``).
+        self._in_flight: deque[PendingStep] = deque()
         # Timing each forward (profile_steps) waits for the device, which leaves nothing to overlap.
         self.async_scheduling = config.async_scheduling and not config.profile_steps
         self.stats = EngineStats()
@@ -332,19 +335,28 @@ class LLMEngine:
         With ``async_scheduling`` a decode step is launched before the host has the previous
         step's tokens (they go in from the device), so the host's bookkeeping for step N runs
         while the device computes step N+1. A sequence that turns out to have finished at N
-        wastes its row of N+1; its blocks are freed, and any later writer of them queues behind."""
-        if self._launched is None:
+        wastes its row of N+1; its blocks are freed, and any later writer of them queues behind.
+
+        Under pipeline parallelism a decode batch runs as groups, one step of each in flight, each
+        call processing the oldest and launching that group's next step (``pipeline``)."""
+        if not self._in_flight:
             batch = self.scheduler.schedule()
             if not batch.seqs:
                 if self.scheduler.waiting and not self.scheduler.running:
                     raise ChituError("no request could be scheduled: the KV cache is too small for the waiting requests")
                 return []
-            self._launched = self._launch(batch)
-        current = self._launched
-        self._launched = self._continuation(current) if self.async_scheduling else None
+            decode = all(n == 1 for n in batch.num_new_tokens)
+            for rows in micro_batches(len(batch.seqs), self.parallel.pp_size, decode):
+                part = batch if len(rows) == len(batch.seqs) else ScheduledBatch(
+                    batch.seqs[rows.start:rows.stop], batch.num_new_tokens[rows.start:rows.stop])
+                self._in_flight.append(self._launch(part))
+        current = self._in_flight.popleft()
+        if self.async_scheduling:
+            self._in_flight.extend(self._continuation(current))
         outputs = self._process(current)
-        if self._launched is not None and all(s.is_finished for s in self._launched.batch.seqs):
-            self._launched = None  # nothing left to read from it
+        for pending in [p for p in self._in_flight if all(s.is_finished for s in p.batch.seqs)]:
+            self._in_flight.remove(pending)  # nothing left to read from it
+            pending.land()  # its transfer is still met on every rank
         return outputs
 
     def final_output(self, request: Request) -> RequestOutput:
@@ -375,15 +387,16 @@ class LLMEngine:
             seq.num_computed_tokens += n
         return pending
 
-    def _continuation(self, current: PendingStep) -> PendingStep | None:
-        """Launch the decode step that follows ``current`` without waiting for its tokens, or None
-        where the next step needs the scheduler: requests wait, a row had no token (partial
-        prefill), the KV cache needs a preemption, or a sequence has a grammar."""
+    def _continuation(self, current: PendingStep) -> list[PendingStep]:
+        """Launch the decode step that follows ``current`` without waiting for its tokens (as groups,
+        under pipeline parallelism, where ``current`` was the only step in flight), or nothing where
+        the next step needs the scheduler: requests wait, a row had no token (partial prefill), the
+        KV cache needs a preemption, or a sequence has a grammar."""
         batch = current.batch
         if self.scheduler.waiting or len(current.sampling) != len(batch.seqs):
-            return None
+            return []
         if any(s.params.structured_output is not None for s in batch.seqs):
-            return None  # a grammar's next mask needs this step's token: its rows wait for the host
+            return []  # a grammar's next mask needs this step's token: its rows wait for the host
         rows, seqs = [], []
         for row, seq in enumerate(batch.seqs):
             if seq.is_finished:
@@ -395,13 +408,16 @@ class LLMEngine:
             seqs.append(seq)
         blocks = self.block_manager
         if not seqs or sum(blocks.blocks_needed(s, s.num_computed_tokens + 1) for s in seqs) > blocks.num_free:
-            return None
+            return []
         for seq in seqs:
             blocks.allocate(seq, seq.num_computed_tokens + 1)
         ids = current.tokens
         if len(rows) < len(batch.seqs):
             ids = ids[torch.tensor(rows).to(self.device, non_blocking=True)]
-        return self._launch(ScheduledBatch(seqs, [1] * len(seqs)), ids, ahead=1)
+        # A batch that was the only one in flight splits into groups where a pipeline has stages to fill.
+        parts = micro_batches(len(seqs), 1 if self._in_flight else self.parallel.pp_size, decode=True)
+        return [self._launch(ScheduledBatch(seqs[r.start:r.stop], [1] * len(r)), ids[r.start:r.stop], ahead=1)
+                for r in parts]
 
     def _process(self, launched: PendingStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and record them; the deltas of the requests that progressed."""

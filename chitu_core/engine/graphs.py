@@ -6,9 +6,9 @@ buffers that each step refills with two host-to-device copies from pinned
 staging memory: one packed int64 block (token ids, positions, cache slots,
 sequence lengths) and the block tables. A continuation step takes its token ids
 from the previous step's sampled tokens on the device instead. Staging memory
-cycles through two sets (two per micro-batch of a pipeline's step), so that filling
-step N+1's never overwrites what step N's copy, perhaps still queued, has yet to
-read (the engine waits for step N before it launches step N+2). Rows past B are padding: slot -1 (the
+cycles through two sets (two per pipeline stage, whose groups' steps are in flight together), so
+that filling step N+1's never overwrites what step N's copy, perhaps still queued, has yet to read
+(the engine waits for step N before it launches step N+2 of the same group). Rows past B are padding: slot -1 (the
 cache write skips it) and sequence length 1 (attention reads one real key), so
 their outputs are finite and ignored. The graph ends with the logits of all its
 rows; sampling runs eagerly on the first B.
@@ -116,7 +116,7 @@ class DecodeGraphs:
         previous stage's output, [2, B, H] (every stage but the first).
 
         The result lives in the graphs' memory: the next replay may overwrite it. Several runs may
-        be queued before the first is done (micro-batches): each takes its own staging set, and
+        be queued before the first is done (a pipeline's groups): each takes its own staging set, and
         the device copies into the static inputs are ordered after the previous replay."""
         b, bs = len(seqs), self.block_size
         positions = [s.num_computed_tokens for s in seqs]

@@ -13,7 +13,7 @@ import torch
 
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 from chitu_core.distributed.parallel import Parallel
-from chitu_core.distributed.pipeline import StageLink, micro_batches
+from chitu_core.distributed.pipeline import StageLink
 from chitu_core.engine.graphs import DecodeGraphs
 from chitu_core.engine.scheduler import ScheduledBatch
 from chitu_core.layers.context import StepContext
@@ -31,12 +31,34 @@ class StepResult:
 
 
 class PendingStep:
-    """A launched step of ``batch``. ``tokens``: the sampled token of each sampling row, on the device."""
+    """A launched step of ``batch``. ``tokens``: the sampled token of each sampling row, on the device.
+
+    Under pipeline parallelism the tokens reach every rank by a broadcast from the last stage that is
+    still in flight when ``launch`` returns (so that a stage can go on to another group's step):
+    ``land`` (done by ``tokens`` and ``results``) orders the device after it and starts the host's copy."""
 
     def __init__(self, batch: ScheduledBatch, sampling: list[int], wanted: list[int | None], k: int,
-                 tokens: torch.Tensor | None, host: torch.Tensor | None, event):
+                 tokens: torch.Tensor | None, host: torch.Tensor | None, event, landing=None):
         self.batch, self.sampling, self.wanted, self.k = batch, sampling, wanted, k
-        self.tokens, self.host, self.event = tokens, host, event
+        self._tokens, self.host, self.event = tokens, host, event
+        self._landing = landing  # (the broadcast in flight, the tensor it fills, the backend's completion_event)
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        self.land()
+        return self._tokens
+
+    def land(self) -> None:
+        """Where a broadcast brings the tokens: wait for it (on a device with streams, the current
+        stream waits; the host does not) and queue the copy to the host."""
+        if self._landing is None:
+            return
+        transfer, packed, new_event = self._landing
+        self._landing = None
+        transfer.wait()
+        self._tokens = packed[:, 0].long()
+        self.host = packed.to("cpu", non_blocking=True)
+        self.event = new_event()
 
     def results(self) -> list[StepResult | None]:
         """Per scheduled row, its new token, or None if it has not reached its last token yet (a
@@ -44,6 +66,7 @@ class PendingStep:
         results: list[StepResult | None] = [None] * len(self.batch.seqs)
         if not self.sampling:
             return results
+        self.land()
         if self.event is not None:
             self.event.synchronize()
         host, k = self.host.tolist(), self.k
@@ -125,21 +148,10 @@ class ModelRunner:
         the host has not appended yet (they count for seeds and ``min_tokens``). A sequence with a
         grammar is never launched ahead: its mask needs its previous token accepted.
 
-        Under pipeline parallelism this runs the stage's own part (a decode step as micro-batches,
-        ``chitu_core.distributed.pipeline``); the last stage samples and every rank takes its tokens."""
+        Under pipeline parallelism this runs the stage's own part; the last stage samples and every
+        rank takes its tokens (the engine keeps several groups' steps in flight, ``pipeline``)."""
         self._forward_start = None
-        pp_size = 1 if self.link is None else self.parallel.pp_size
-        decode = all(n == 1 for n in batch.num_new_tokens)
-        sampling, logits = [], []
-        for rows in micro_batches(len(batch.seqs), pp_size, decode):
-            part = batch if len(rows) == len(batch.seqs) else ScheduledBatch(
-                batch.seqs[rows.start:rows.stop], batch.num_new_tokens[rows.start:rows.stop])
-            part_sampling, part_logits = self._forward(part, None if ids is None else ids[rows.start:rows.stop], ahead)
-            sampling += [rows.start + i for i in part_sampling]
-            if part_logits is not None:
-                logits.append(part_logits)
-        if self.link is not None:
-            self.link.flush()
+        sampling, logits = self._forward(batch, ids, ahead)
         if self.synchronize is not None:
             self.synchronize()
             self.last_forward_seconds = time.perf_counter() - self._forward_start
@@ -160,7 +172,7 @@ class ModelRunner:
             ids if ahead else None,
             self.constraints.bitmask([s.seq_id for s in seqs]) if self.constraints is not None else None,
         )
-        out = self.sampler(logits[0] if len(logits) == 1 else torch.cat(logits), sbatch)
+        out = self.sampler(logits, sbatch)
         # One device-to-host copy for everything the host needs this step, not waited for here.
         tokens = out.tokens
         if out.logprobs is None:
@@ -168,12 +180,13 @@ class ModelRunner:
         else:
             packed = torch.cat([out.tokens.double()[:, None], out.logprobs.double()[:, None], out.top_ids.double(),
                                 out.top_logprobs.double()], dim=1)
+        wanted = [s.params.logprobs for s in seqs]
         if self.link is not None:  # every stage's scheduler needs them; the sampler rank's are the truth
-            self.parallel.world.broadcast(packed, self.parallel.sampler_rank)
-            tokens = packed[:, 0].long()
+            transfer = self.parallel.world.broadcast_async(packed, self.parallel.sampler_rank)
+            return PendingStep(batch, sampling, wanted, sbatch.max_logprobs or 0, None, None, None,
+                               (transfer, packed, self.new_event))
         host = packed.to("cpu", non_blocking=True)  # lands in page-locked memory where the copy is asynchronous
-        return PendingStep(batch, sampling, [s.params.logprobs for s in seqs], sbatch.max_logprobs or 0,
-                           tokens, host, self.new_event())
+        return PendingStep(batch, sampling, wanted, sbatch.max_logprobs or 0, tokens, host, self.new_event())
 
     def _forward(self, batch: ScheduledBatch, ids: torch.Tensor | None, ahead: int
                  ) -> tuple[list[int], torch.Tensor | None]:
@@ -219,10 +232,9 @@ class ModelRunner:
         k = max(wanted) if wanted else None
         shape, dtype = ((len(seqs), 1), torch.int64) if k is None else ((len(seqs), 2 + 2 * k), torch.float64)
         packed = torch.empty(shape, dtype=dtype, device=self.device)
-        self.parallel.world.broadcast(packed, self.parallel.sampler_rank)
-        host = packed.to("cpu", non_blocking=True)
-        return PendingStep(batch, sampling, [s.params.logprobs for s in seqs], k or 0, packed[:, 0].long(), host,
-                           self.new_event())
+        transfer = self.parallel.world.broadcast_async(packed, self.parallel.sampler_rank)
+        return PendingStep(batch, sampling, [s.params.logprobs for s in seqs], k or 0, None, None, None,
+                           (transfer, packed, self.new_event))
 
     def _banned(self, seq, ahead: int = 0) -> list[int]:
         """Tokens that may not be sampled yet: EOS and stop tokens before min_tokens are out."""

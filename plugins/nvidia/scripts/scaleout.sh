@@ -3,9 +3,11 @@
 #   bash plugins/nvidia/scripts/scaleout.sh [steps]    # default: every step, in this order
 # Steps: allreduce (8 KB .. 2 MB latency, NCCL and the fast path), collectives (conformance rows on 2 ranks),
 # tokens (TP2 and PP2 greedy tokens against one GPU, fp32, small config), tp (Llama-3.1-8B config bf16, dummy
-# weights, in 128 / out 256, batch 1 and 64 on one GPU and on two), tp-composed (the TP2 runs with CHITU_FUSED_BOUNDARY=0), pp (the same, two stages, batch 64),
+# weights, in 128 / out 256, batch 1 and 64 on one GPU and on two), tp-composed (the TP2 runs with CHITU_FUSED_BOUNDARY=0), pp (the same,
+# two stages, batch 64; and batch 128 on two stages and on one GPU),
 # ep (DeepSeek-V2-Lite config, batch 64, one GPU and EP2 with TP2 attention), serve (bench serve, 64 streams,
-# against a TP2 server started with torchrun, then the offline TP2 run of the same batch), cpuexperts (one GPU:
+# against a TP2 server started with torchrun, then the offline TP2 run of the same batch), profile (decode step
+# kernels of one GPU and TP2, profile_step.py, batches PROFILE_BATCHES), cpuexperts (one GPU:
 # half the MoE layers' experts on the CPU). Every command has a time limit; results go to $OUT/scaleout.tar
 # (JSON per run; python -m chitu_core.bench report renders them).
 set -uo pipefail
@@ -83,8 +85,17 @@ PY
     pp) model llama-3.1-8b
         [ -s $R/tp1-b64.json ] || limit 240 tp1-b64 python3 $BENCH --model /tmp/llama-3.1-8b --batch-size 64
         limit 240 pp2-b64 $TR $BENCH --model /tmp/llama-3.1-8b --batch-size 64 --pipeline-parallel-size 2
-        grep -q '^{' $R/pp2-b64.json || limit 240 pp2-b64-eager $TR $BENCH --model /tmp/llama-3.1-8b --batch-size 64 \
-          --pipeline-parallel-size 2 --enforce-eager ;;
+        # The stages' freed memory holds twice the batch: 128 sequences, two groups of 64, against one GPU at 128.
+        limit 240 pp2-b128 $TR $BENCH --model /tmp/llama-3.1-8b --batch-size 128 --pipeline-parallel-size 2
+        limit 240 tp1-b128 python3 $BENCH --model /tmp/llama-3.1-8b --batch-size 128 ;;
+    profile) model llama-3.1-8b  # where a decode step's time goes, one GPU and TP2, batch 1 and 64
+        for b in ${PROFILE_BATCHES:-1 64}; do
+          limit 200 profile-tp1-b$b python3 "$ROOT/plugins/nvidia/scripts/profile_step.py" --model /tmp/llama-3.1-8b \
+            --load-format dummy --batch-size $b --rows 24 --out $R/profile-tp1-b$b.txt
+          limit 200 profile-tp2-b$b $TR "$ROOT/plugins/nvidia/scripts/profile_step.py" --model /tmp/llama-3.1-8b \
+            --load-format dummy --batch-size $b --rows 24 --tensor-parallel-size 2 --out $R/profile-tp2-b$b.txt
+          tail -30 $R/profile-tp2-b$b.json
+        done ;;
     ep) model deepseek-v2-lite
         limit 300 ep1-dsv2-b64 python3 $BENCH --model /tmp/deepseek-v2-lite --batch-size 64
         limit 300 ep2-dsv2-b64 $TR $BENCH --model /tmp/deepseek-v2-lite --batch-size 64 --enable-expert-parallel ;;
