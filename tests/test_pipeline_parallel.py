@@ -52,7 +52,8 @@ def test_floor_of_a_pipeline_with_groups_in_flight_is_its_slowest_stage():
     one_group = aggregate_floor(floors, 64)
     assert one_group["step_ms"] == 700.0 and one_group["decode_tok_per_s"] == round(64 / 0.7, 3)
     two_groups = aggregate_floor(floors, 64, groups=2)  # stage 1: (2 x 3 + 1) GB at 10 GB/s
-    assert two_groups["step_ms"] == 700.0 and two_groups["weight_bytes"] == 5e9
+    assert two_groups["step_ms"] == 700.0 and two_groups["weight_bytes"] == 5e9 and two_groups["groups"] == 2
+    assert "groups" not in one_group
     floors[1]["weight_bytes"] = 1e9  # now stage 0 is the slower: (2 x 2 + 1) GB
     assert aggregate_floor(floors, 64, groups=2)["step_ms"] == 500.0
 

@@ -154,4 +154,4 @@ def aggregate_floor(floors: list[dict], batch_size: int, groups: int = 1) -> dic
     total = {k: sum(f[k] for f in floors) for k in ("weight_bytes", "kv_bytes_mean", "expert_bytes_all",
                                                     "expert_bytes_routed_mean") if k in floors[0]}
     return {"copy_gbps": round(sum(f["copy_gbps"] for f in floors), 1), **total, "step_ms": round(step_ms, 4),
-            "decode_tok_per_s": round(batch_size / (step_ms / 1e3), 3)}
+            "decode_tok_per_s": round(batch_size / (step_ms / 1e3), 3), **({"groups": groups} if groups > 1 else {})}

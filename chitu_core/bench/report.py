@@ -36,10 +36,15 @@ def offline_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         lines.append(
             f"| {name} | {model} ({r['model_config']['num_parameters'] / 1e6:.0f}M, {held}) | {r['batch_size']} "
             f"| {r['input_len']}/{r['output_len']} | {_fmt(r['decode_tok_per_s'])} ({', '.join(_fmt(x) for x in r['runs_decode_tok_per_s'])}) "
-            f"| {_fmt(r['decode_step_median_ms'], '.2f')} | {_fmt(f['decode_tok_per_s'])} ({f['weight_bytes'] / 1e9:.2f} GB + "
+            f"| {_fmt(r['decode_step_median_ms'], '.2f')} | {_fmt(f['decode_tok_per_s'])} ({_groups(f)}{f['weight_bytes'] / 1e9:.2f} GB + "
             f"{f['kv_bytes_mean'] / 1e9:.3f} GB at {f['copy_gbps']:.0f} GB/s) | {_fmt(100 * r.get('floor_fraction', 0), '.1f')}% "
             f"| {peer} | {_fmt(r.get('speedup_over_peer'), '.2f')}{'x' if r.get('speedup_over_peer') else ''} |")
     return lines
+
+
+def _groups(floor: dict[str, Any]) -> str:
+    """"2 x " where a pipeline's stages read their weights once per group in flight."""
+    return f"{floor['groups']} x " if floor.get("groups", 1) > 1 else ""
 
 
 def quant_check_lines(name: str, check: dict[str, Any]) -> list[str]:
@@ -155,8 +160,9 @@ def render(directory: Path) -> str:
     if any(r.get("floor_ranks") for _, r in offline):
         lines += ["## Several ranks against one", "",
                   "Each multi-rank run (torchrun, one process a GPU; its floor: every rank's own bytes over its own "
-                  "bandwidth, the slowest rank of each pipeline stage, the stages in turn) against the one-rank run "
-                  "of the same model and batch.", "", *scaling_table(offline), ""]
+                  "bandwidth, the slowest rank of each pipeline stage, the stages in turn; where a pipeline's decode "
+                  "batch ran as groups in flight, \"2 x\" in the floor, its slowest stage reading its weights once per "
+                  "group) against the one-rank run of the same model and batch.", "", *scaling_table(offline), ""]
     if "tokens" in loaded:
         lines += [tokens_line(loaded["tokens"]), ""]
     if "allreduce" in loaded:
