@@ -278,6 +278,11 @@ def test_plan_splits_only_underfilled_long_decodes():
     # Wide rows (head_dim 256 in float32: 1 KB a key) take smaller tiles, to fit shared memory.
     wide = plan(2, 1, 64, 1, 64, 132, dtype_bytes=4, head_dim=256)
     assert (wide.block_m, wide.block_n) == (32, 16)
+    # A device's decode_stages apply to decode-sized plans only; prefill keeps Triton's default.
+    tiles = paged_attention.TileConfig(decode_stages=2)
+    assert plan(32, 8, 1, 64, 300, 132, tiles=tiles).num_stages == 2
+    assert plan(32, 8, 512, 1, 512, 132, tiles=tiles).num_stages is None
+    assert plan(32, 8, 1, 64, 300, 132).num_stages is None
 
 
 def test_warmup_runs_every_tile_variant_the_planner_picks(monkeypatch):

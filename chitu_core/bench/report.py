@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from chitu_core.bench.report_backends import emulation_table, emulation_tokens_lines
+from chitu_core.bench.report_kernels import attention_sweep_lines
 from chitu_core.bench.report_scaleout import allreduce_lines, cpu_experts_lines, scaling_table, tokens_line
 
 
@@ -168,6 +169,9 @@ def render(directory: Path) -> str:
     if "allreduce" in loaded:
         lines += ["## All-reduce latency (`plugins/nvidia/scripts/allreduce_bench.py`)", "",
                   *allreduce_lines(loaded["allreduce"]), ""]
+    if "attention_sweep" in loaded:
+        lines += ["## Decode attention by tile configuration (`plugins/nvidia/scripts/attention_sweep.py`)", "",
+                  *attention_sweep_lines(loaded["attention_sweep"]), ""]
     if "cpu_experts" in loaded:
         lines += ["## MoE experts on the CPU (`plugins/nvidia/scripts/cpu_experts_check.py`)", "",
                   *cpu_experts_lines(loaded["cpu_experts"]), ""]

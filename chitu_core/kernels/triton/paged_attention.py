@@ -167,6 +167,7 @@ class TileConfig:
     key_tile_bytes: int = 16 << 10
     warps: int = 4
     wide_warps: int = 8
+    decode_stages: int | None = None  # pipeline stages of the key loop in decode-sized plans (None: Triton's default)
 
 
 DEFAULT_TILES = TileConfig()
@@ -180,6 +181,7 @@ class AttentionPlan:
     block_n: int
     num_splits: int  # 1: no split
     num_warps: int
+    num_stages: int | None = None
 
 
 def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, max_seq_len: int,
@@ -203,7 +205,8 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
         programs, target = num_seqs * num_kv_heads, 2 * num_compute_units
         if max_query_len == 1 and programs < target and max_seq_len >= 512:
             num_splits = max(1, min(16, -(-target // programs), max_seq_len // 256))
-    return AttentionPlan(block_m, block_n, num_splits, tiles.warps if block_m <= 64 else tiles.wide_warps)
+    return AttentionPlan(block_m, block_n, num_splits, tiles.warps if block_m <= 64 else tiles.wide_warps,
+                         tiles.decode_stages if small else None)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -246,6 +249,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=split,
         PRECISION=float32_precision if q.dtype == torch.float32 else "tf32",  # ignored for 16-bit inputs
         FP8=fp8, SOFTCAP=softcap is not None, WINDOW=window is not None, num_warps=step.num_warps,
+        **({} if step.num_stages is None else {"num_stages": step.num_stages}),
     )
     if split:
         _reduce_splits_kernel[(t, num_heads)](out, part_acc, part_max, part_sum, num_heads, step.num_splits,

@@ -23,7 +23,7 @@ from chitu_core.distributed import Communicator
 from chitu_core.plugins.discovery import get_backend
 
 SIZES = [8 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20]
-BOUNDARY_ROWS, HIDDEN = (1, 8, 64), 4096
+BOUNDARY_ROWS, HIDDEN = (1, 8, 32, 64), 4096
 CALLS = 50
 
 
