@@ -94,13 +94,21 @@ def _parting(row: dict[str, Any]) -> str:
         return ""
     sigmas = f", {row['gap_sigmas']:.1f}σ" if "gap_sigmas" in row else ""
     flips = ", bf16 flips too" if row.get("hf_bf16_flips") else ""
-    return f" ({row['gap_ulps']:.2f}u{sigmas}{flips})"
+    routing = ""
+    if row.get("routing_flips"):
+        roots = row.get("routing_roots", row["routing_flips"])
+        routing = f"; routing: {row['routing_flips']} flips, {row['routing_near_ties']} of {roots} roots near-ties"
+    elif "routing_flips" in row:
+        routing = "; routing: no flip"
+    return f" ({row['gap_ulps']:.2f}u{sigmas}{flips}{routing})"
 
 
 def models_check_lines(results: list[dict[str, Any]]) -> list[str]:
     """Architectures in bfloat16 against transformers float32 (``plugins/nvidia/scripts/models_check.py``)."""
     lines = ["| architecture | ours bf16 NMSE | transformers bf16 NMSE | NMSE no worse | greedy: equal prefix of 64 "
-             "(where they part: float32's top-2 gap in bf16 ulps, in sigmas of transformers-bf16's error) "
+             "(where they part: float32's top-2 gap in bf16 ulps, in sigmas of transformers-bf16's error; MoE: our "
+             "routing flips against float64 on the shared tokens, and how many of those no earlier flip explains "
+             "were near-ties) "
              "| transformers bf16: equal prefix | near-tie rule | batch of 16, fp32 / bf16 equal prefix | graphs |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:

@@ -10,7 +10,9 @@ at the sizes below. Then, on those same weights:
       NMSE of 32 prompts, to be no worse than transformers' own bfloat16 against its float32;
   (b) 64 greedy tokens of 8 prompts, ours (bf16) against transformers (float32): equal, or the first
       divergence falls on a near-tie (``near_tie``: within two bf16 ulps, within three sigmas of
-      transformers-bf16's own error there, or transformers-bf16 ranks the two otherwise too);
+      transformers-bf16's own error there, or transformers-bf16 ranks the two otherwise too), or, for a
+      mixture-of-experts model, follows routing near-ties (``routing_ties``: our bf16 routing chose other
+      experts than float64's along the shared tokens, each time within three sigmas of bf16 noise);
   (c) batching: a prompt's 64 greedy tokens alone and inside a batch of 16 mixed-length prompts, in float32
       (equal) and in bfloat16 (reported: the equal prefix; other batch shapes round differently).
 
@@ -28,6 +30,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import routing_ties  # noqa: E402
 
 DEV = torch.device("cuda")
 OUT = Path(os.environ.get("OUT", "."))
@@ -170,8 +175,13 @@ def check(arch: str) -> dict:
     mine = greedy_and_batching(path, "bfloat16", prompts, batch_prompts)
     batch_fp32 = greedy_and_batching(path, "float32", prompts[:1], batch_prompts)["batch_equal_prefix"]
     rows = []
+    gate_fp32, gate_bf16 = routing_ties.GateInputs(hf), routing_ties.GateInputs(hf)
     with torch.inference_mode():
-        fp32 = [hf(torch.tensor([p + o[:-1]], device=DEV)).logits[0, len(p) - 1:].float() for p, o in zip(prompts, mine["outs"])]
+        with gate_fp32:  # the routers' inputs along each prompt and our tokens (MoE models)
+            fp32 = []
+            for p, o in zip(prompts, mine["outs"]):
+                gate_fp32.call()
+                fp32.append(hf(torch.tensor([p + o[:-1]], device=DEV)).logits[0, len(p) - 1:].float())
         fp32_extra = [hf(torch.tensor([p], device=DEV)).logits[0, -1].float() for p in extra]
         greedy = [hf.generate(torch.tensor([p], device=DEV), max_new_tokens=STEPS, min_new_tokens=STEPS,
                               do_sample=False)[0, len(p):].tolist() for p in prompts]
@@ -181,8 +191,11 @@ def check(arch: str) -> dict:
             owner, _, attr = name.rpartition(".")
             setattr(hf.get_submodule(owner), attr, value)
         bf16 = [hf(torch.tensor([p], device=DEV)).logits[0, -1].float() for p in prompts + extra]
-        bf16_forced = [hf(torch.tensor([p + o[:-1]], device=DEV)).logits[0, len(p) - 1:].float()
-                       for p, o in zip(prompts, mine["outs"])]
+        with gate_bf16:
+            bf16_forced = []
+            for p, o in zip(prompts, mine["outs"]):
+                gate_bf16.call()
+                bf16_forced.append(hf(torch.tensor([p + o[:-1]], device=DEV)).logits[0, len(p) - 1:].float())
         bf16_greedy = [hf.generate(torch.tensor([p], device=DEV), max_new_tokens=STEPS, min_new_tokens=STEPS,
                                    do_sample=False)[0, len(p):].tolist() for p in prompts]
     for i, p in enumerate(prompts):
@@ -192,10 +205,24 @@ def check(arch: str) -> dict:
         if row["equal_prefix"] < STEPS:
             row.update(near_tie(fp32[i][row["equal_prefix"]], bf16_forced[i][row["equal_prefix"]]))
         rows.append(row)
+    if gate_fp32.gates:  # a MoE model: where a run parts, was our routing on the way there a near-tie?
+        from chitu_core import LLM
+
+        llm = LLM(str(path), device="nvidia", dtype="bfloat16", max_model_len=512, enforce_eager=True, load_progress=False)
+        tokens, ours, layers = routing_ties.our_routing(llm, prompts, STEPS)
+        for i, (p, row) in enumerate(zip(prompts, rows)):
+            e = row["equal_prefix"]
+            if e == STEPS:
+                continue
+            row["eager_tokens_equal"] = tokens[i][:e + 1] == mine["outs"][i][:e + 1]
+            row.update(routing_ties.explain(ours[i], layers, gate_fp32, gate_bf16, i, len(p) + e))
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     ours = [r["ours_nmse"] for r in rows] + [nmse(first[len(prompts) + j], fp32_extra[j]) for j in range(len(extra))]
     theirs = [r["hf_bf16_nmse"] for r in rows] + [nmse(bf16[len(prompts) + j], fp32_extra[j]) for j in range(len(extra))]
     ours_mean, hf_mean = sum(ours) / len(ours), sum(theirs) / len(theirs)
-    greedy_ok = all(r["equal_prefix"] == STEPS or r["near_tie"] for r in rows)
+    greedy_ok = all(r["equal_prefix"] == STEPS or r["near_tie"] or r.get("routing_explains") for r in rows)
     del hf
     gc.collect()
     torch.cuda.empty_cache()

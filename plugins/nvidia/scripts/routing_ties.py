@@ -1,0 +1,153 @@
+"""Where a mixture-of-experts model's greedy run parts from transformers' float32 one: did our bf16 routing
+choose other experts than float64 somewhere along the shared tokens, and was each such choice a near-tie?
+
+An expert switched by rounding moves the hidden state by a whole expert's output, so the tokens after it
+may part at a logit gap far wider than bf16 noise: the logit near-tie rule (``models_check.near_tie``)
+cannot see it. This looks at the cause instead. For each MoE layer and each position of the shared
+sequence (prompt + our tokens before the parting):
+
+- ours: the experts our kernels chose (our router logits as our run computed them, through our
+  ``moe_route``), from an eager run of the same batch of prompts (eager and graph steps run the same
+  kernels; the tokens it gives are checked against the graph run's);
+- float64: the layer's routing (``reference.moe_route``, our layer's arguments and correction bias) of
+  the router logits of transformers' float32 model, its gate's input times its weight in float64;
+- noise: sigma, the RMS over experts of transformers-bf16's own error on those router logits (its
+  bf16 model's gate input, the same weight in float32) at that position.
+
+A position where ours differs from float64 is a routing flip. A flip that an earlier one explains (at a
+lower MoE layer and a position no later: its expert output reached this input) is not judged; each
+other (root) flip is a near-tie when float64 chooses otherwise too once one chosen and one unchosen
+expert's logits move 1.5 sqrt(2) sigma each, toward each other (3 sigma of a difference of two logits,
+as the logit rule). A parting is explained by routing when there are root flips and every one is a
+near-tie; a root flip that is not would be a fault.
+"""
+
+import torch
+
+from chitu_core.ops import reference
+
+
+def gates(model) -> list[torch.nn.Module]:
+    """transformers' MoE routers in layer order: modules named ``*.gate`` with a weight [experts, hidden]."""
+    return [m for n, m in model.named_modules() if n.endswith(".gate") and getattr(m, "weight", None) is not None
+            and m.weight.dim() == 2]
+
+
+class GateInputs:
+    """While open, records each router's input rows ([T, H], float32, on the host) per forward call."""
+
+    def __init__(self, model):
+        self.gates, self.inputs, self._handles = gates(model), [], []
+
+    def __enter__(self):
+        for i, gate in enumerate(self.gates):
+            self._handles.append(gate.register_forward_pre_hook(
+                lambda _m, args, i=i: self.inputs[-1][i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
+        return self
+
+    def call(self) -> None:
+        """Start recording a new forward call (one prompt)."""
+        self.inputs.append([[] for _ in self.gates])
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def logits(self, call: int, layer: int, dtype=torch.float64) -> torch.Tensor:
+        """The router logits [T, E] of one recorded call, the input times the gate's weight in ``dtype``."""
+        x = torch.cat(self.inputs[call][layer])
+        w = self.gates[layer].weight.detach().to("cpu", dtype)
+        return x.to(dtype) @ w.T
+
+
+def our_routing(llm, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[list[torch.Tensor]], list]:
+    """Our eager run of ``prompts`` in one batch (as the greedy run had them) for ``steps`` greedy tokens:
+    each prompt's tokens, and per prompt and MoE layer the experts chosen at every position computed
+    ([positions, top_k], sorted), and the layers (for their arguments)."""
+    from chitu_core import SamplingParams
+    from chitu_core.layers.moe import FusedMoE
+
+    engine = llm.engine
+    layers = [m for m in engine.model.modules() if isinstance(m, FusedMoE)]
+    steps_seen: list[tuple[list[tuple[int, int]], list[torch.Tensor | None]]] = []  # ((seq, rows) a step, ids a layer)
+    launch = engine.runner.launch
+
+    def recording_launch(batch, *args, **kwargs):
+        steps_seen.append(([(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)], [None] * len(layers)))
+        return launch(batch, *args, **kwargs)
+
+    def hook(layer, inputs, _out, i):
+        _, ids = layer.ops.moe_route(inputs[1], correction_bias=layer.e_score_correction_bias, **layer.route_args)
+        steps_seen[-1][1][i] = ids.sort(-1).values.cpu()
+
+    handles = [m.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i)) for i, m in enumerate(layers)]
+    engine.runner.launch = recording_launch
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+    finally:
+        engine.runner.launch = launch
+        for h in handles:
+            h.remove()
+    seq_of = {}  # seq id -> prompt index, in the order the sequences first appear (arrival order)
+    per_seq: dict[int, list[list[torch.Tensor]]] = {}
+    for rows, ids in steps_seen:
+        start = 0
+        for seq_id, n in rows:
+            seq_of.setdefault(seq_id, len(seq_of))
+            chunks = per_seq.setdefault(seq_id, [[] for _ in layers])
+            for li in range(len(layers)):
+                chunks[li].append(ids[li][start:start + n])
+            start += n
+    routing = [[torch.cat(c) for c in per_seq[sid]] for sid in sorted(seq_of, key=seq_of.get)]
+    return [o.outputs[0].token_ids for o in outs], routing, layers
+
+
+def _route(logits: torch.Tensor, layer) -> torch.Tensor:
+    bias = layer.e_score_correction_bias
+    args = dict(layer.route_args)
+    return reference.moe_route(logits, correction_bias=None if bias is None else bias.detach().cpu().double(),
+                               **args)[1].sort(-1).values
+
+
+def _near_tie(logits: torch.Tensor, sigma: float, layer, chosen: torch.Tensor) -> bool:
+    """Whether float64's choice for one row changes once a chosen and an unchosen expert's logits each
+    move 1.5 sqrt(2) sigma toward each other."""
+    step = 1.5 * 2 ** 0.5 * sigma
+    others = [j for j in range(logits.shape[-1]) if j not in set(chosen.tolist())]
+    for i in chosen.tolist():
+        if i < 0:
+            continue
+        for j in others:
+            nudged = logits.clone()
+            nudged[i] -= step
+            nudged[j] += step
+            if not torch.equal(_route(nudged[None], layer)[0], chosen):
+                return True
+    return False
+
+
+def explain(ours: list[torch.Tensor], layers: list, fp32: "GateInputs", bf16: "GateInputs", call: int,
+            positions: int) -> dict:
+    """Routing flips of ours against float64 over the first ``positions`` positions of recorded call
+    ``call`` (the shared sequence). A flip at (layer, position) whose input a flip at an earlier MoE layer
+    and a position no later already changed (by a whole expert's output, through the residual stream or
+    attention) follows from that one; the others are root flips, and each must be a near-tie."""
+    flips = []  # (layer, position) in layer order
+    exact_of, ref_of = [], []
+    for li, layer in enumerate(layers):
+        exact = fp32.logits(call, li)[:positions]
+        ref_ids = _route(exact, layer)
+        exact_of.append(exact)
+        ref_of.append(ref_ids)
+        flips += [(li, pos) for pos in (ours[li][:positions] != ref_ids).any(-1).nonzero().flatten().tolist()]
+    roots = [(li, pos) for li, pos in flips if not any(l2 < li and p2 <= pos for l2, p2 in flips)]
+    where = []
+    for li, pos in roots:
+        noisy = bf16.logits(call, li, torch.float32)[pos].double()
+        sigma = float((noisy - exact_of[li][pos]).square().mean().sqrt())
+        where.append((li, pos, _near_tie(exact_of[li][pos], sigma, layers[li], ref_of[li][pos])))
+    near = sum(tie for _, _, tie in where)
+    return dict(routing_flips=len(flips), routing_roots=len(roots), routing_near_ties=near, routing_where=where[:8],
+                routing_explains=bool(roots) and near == len(roots))
