@@ -17,6 +17,7 @@ sends the other ranks the add / abort commands it applied before each step, a he
 and the stop, so that every rank's engine steps with it.
 """
 
+import gc
 import logging
 import threading
 import time
@@ -34,6 +35,16 @@ log = logging.getLogger(__name__)
 
 BURST_GAP_S = 0.001  # an idle engine keeps taking in requests while they come closer than this
 BURST_MAX_S = 0.02  # and for no longer than this
+
+
+def freeze_heap() -> None:
+    """Move every object alive now into the collector's permanent generation, which its full
+    collections skip. A process that serves calls this once it is built (model, modules, app): its
+    full collections then scan only what serving made since. Unfrozen, one such collection in the
+    server's process took 110-140 ms (2-core CPU, in the middle of a burst of 64 requests), during
+    which no request reached the engine; a rank that pauses so stalls every rank's collectives."""
+    gc.collect()
+    gc.freeze()
 
 
 class EngineCore:
@@ -144,6 +155,7 @@ def run_core_process(config: EngineConfig, commands: Connection, outputs: Connec
         log.exception("the engine could not start")
         outputs.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    freeze_heap()
     outputs.send(("ready", {"max_model_len": engine.max_model_len}))
 
     def receive(timeout: float | None) -> tuple | None:

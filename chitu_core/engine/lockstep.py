@@ -134,9 +134,12 @@ def apply(engine: LLMEngine, command: tuple) -> None:
 def run_follower(config: EngineConfig) -> int:
     """A follower rank's whole life: build the engine, then apply the driver's commands and step with
     it until "stop" (0) or until the driver is gone (1; the watchdog usually ends the process first)."""
+    from chitu_core.engine.core import freeze_heap  # core imports this module
+
     engine = LLMEngine(config)
     lockstep = Lockstep(engine, on_dead=lambda reason: log.error("exiting: %s", reason))
     ignore_stop_signals()
+    freeze_heap()
     log.info("rank %d of %d follows the driver (rank 0, which serves requests): it runs the driver's steps",
              lockstep.rank, lockstep.world_size)
     while True:

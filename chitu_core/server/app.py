@@ -17,6 +17,7 @@ import hmac
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chitu_core.engine.async_engine import AsyncLLM, EngineDeadError
+from chitu_core.engine.core import freeze_heap
 from chitu_core.server import schemas as s
 from chitu_core.server import tools
 from chitu_core.server.errors import APIError, bad_request, engine_failed, invalid_request
@@ -107,6 +109,14 @@ class ServerState:
             raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
 
 
+@asynccontextmanager
+async def _serving(_app: FastAPI) -> AsyncIterator[None]:
+    """The server's lifespan: what is alive when it starts serving (the engine, or its client, and the
+    app) stays so until it stops, so the collector stops scanning it (``freeze_heap``)."""
+    freeze_heap()
+    yield
+
+
 FAILED_MID_STREAM = "chitu.failed_mid_stream"  # set in a request's scope by a stream that ended in an error event
 
 
@@ -145,7 +155,7 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
     """The app; ``reasoning_parser``/``tool_call_parser``: names from chitu_core.server.parsers
     (the tool-call parser is otherwise guessed from the chat template's markers, if any)."""
     state = ServerState(llm, served_names, list(api_keys), max_pending, reasoning_parser, tool_call_parser)
-    app = FastAPI(title="chitu-core", description="OpenAI-compatible LLM server")
+    app = FastAPI(title="chitu-core", description="OpenAI-compatible LLM server", lifespan=_serving)
     app.state.chitu = state
     add_chat_page(app)  # the chat page at /
 
@@ -171,7 +181,7 @@ def build_app(llm: AsyncLLM, served_names: list[str], api_keys: list[str] = (), 
 
     app.add_middleware(RequestCounter, metrics=state.metrics)
 
-    def authorized(request: Request) -> int:
+    async def authorized(request: Request) -> int:  # a plain def would run in FastAPI's thread pool: a hop a request
         return state.priority(request)
 
     @app.get("/health", response_model_exclude_none=True,

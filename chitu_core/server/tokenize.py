@@ -57,7 +57,7 @@ class DetokenizeResponse(BaseModel):
 def add_tokenize_routes(app: FastAPI, state) -> None:
     """POST /tokenize and /detokenize on ``app``, for the model and tokenizer of ``state`` (ServerState)."""
 
-    def authorized(request: Request) -> int:
+    async def authorized(request: Request) -> int:  # a plain def would run in FastAPI's thread pool: a hop a request
         return state.priority(request)
 
     def tokenizer_of(model: str | None):
