@@ -1,7 +1,8 @@
 """Serving and benchmarking under torchrun, on CPU and gloo, with real processes: rank 0 serves and the
 others step with it, on one node or two (loopback); a rank that dies ends the run with one clear
 line, from the server or from a follower; a rank stuck while a peer hangs is ended by its watchdog;
-the offline bench reports every rank's floor. First, in one process: what the driver mirrors, and
+the offline bench reports every rank's floor; two pipeline stages serve a burst of concurrent requests as one
+process does. First, in one process: what the driver mirrors, and
 that replaying it reproduces the driver's tokens."""
 
 import json
@@ -185,6 +186,38 @@ def test_tp2_serves_as_one_process_does_and_ends_when_rank_1_dies(model_path, tm
         assert error_lines(log) == [(f"ERROR chitu_core.serve: exiting: the engine failed: rank 1, pid {rank1} on "
                                      f"{socket.gethostname()}, stopped: its connection closed")]
         assert "exitcode  : 1 " in log.read_text()  # rank 0's own status, in torchrun's summary
+
+
+def completions(url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions of ``prompts`` (token ids), all in flight at once; each one's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+    def one(prompt):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+        return out.choices[0].logprobs.tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_pp2_serves_a_burst_as_one_process_does(model_path, tmp_path):
+    """Two pipeline stages under torchrun take 20 concurrent requests: a decode batch of 16 and more runs
+    as two groups in flight, their tokens broadcast from the last stage without waiting, while rank 1
+    follows the driver's steps; every request gets one process's tokens."""
+    prompts = [[(7 * i + 3 * j) % 500 + 2 for j in range(3 + i % 7)] for i in range(20)]
+    with cpu_engine(model_path) as llm, LiveServer(build_app(llm, [model_path.stem])) as live:
+        expected = completions(live.url, model_path.stem, prompts)
+    port = free_port()
+    serve = [arg if arg != "--tensor-parallel-size" else "--pipeline-parallel-size" for arg in SERVE]
+    with launch(tmp_path) as runs:
+        proc, log = runs.start("--nproc-per-node", "2", "--master-port", str(free_port()), *serve,
+                               "--model", str(model_path), "--port", str(port))
+        wait_healthy(port, [(proc, log)])
+        assert completions(f"http://127.0.0.1:{port}", model_path.stem, prompts) == expected
+        assert "rank 1 of 2 follows the driver" in log.read_text()
 
 
 def test_two_nodes_serve_and_the_follower_ends_with_the_driver(model_path, tmp_path):
