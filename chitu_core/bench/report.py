@@ -37,7 +37,8 @@ def offline_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         lines.append(
             f"| {name} | {model} ({r['model_config']['num_parameters'] / 1e6:.0f}M, {held}) | {r['batch_size']} "
             f"| {r['input_len']}/{r['output_len']} | {_fmt(r['decode_tok_per_s'])} ({', '.join(_fmt(x) for x in r['runs_decode_tok_per_s'])}) "
-            f"| {_fmt(r['decode_step_median_ms'], '.2f')} | {_fmt(f['decode_tok_per_s'])} ({_groups(f)}{f['weight_bytes'] / 1e9:.2f} GB + "
+            f"| {_fmt(r['decode_step_median_ms'], '.2f')}{' (a group)' if _groups(f) else ''} "
+            f"| {_fmt(f['decode_tok_per_s'])} ({_groups(f)}{f['weight_bytes'] / 1e9:.2f} GB + "
             f"{f['kv_bytes_mean'] / 1e9:.3f} GB at {f['copy_gbps']:.0f} GB/s) | {_fmt(100 * r.get('floor_fraction', 0), '.1f')}% "
             f"| {peer} | {_fmt(r.get('speedup_over_peer'), '.2f')}{'x' if r.get('speedup_over_peer') else ''} |")
     return lines
