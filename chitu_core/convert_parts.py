@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from chitu_core.distributed.communicator import Communicator
-from chitu_core.engine.engine import build_attention
+from chitu_core.attention.build import build_attention
 from chitu_core.errors import ChituError, ModelLoadError
 from chitu_core.layers.context import BuildContext
 from chitu_core.layers.linear import LinearBase

@@ -25,6 +25,16 @@ def cpu_engine(path, **options) -> Iterator[AsyncLLM]:
         asyncio.run(engine.shutdown())
 
 
+@contextmanager
+def chat_engine(path, **options) -> Iterator[AsyncLLM]:
+    """``cpu_engine`` on a tiny random chat model (``builders.build_chat_model``, vocab 512) made at ``path``."""
+    from builders import build_chat_model
+
+    build_chat_model(path)
+    with cpu_engine(path, **options) as engine:
+        yield engine
+
+
 class LiveServer:
     def __init__(self, app):
         # log_config=None: uvicorn leaves logging alone, so its records reach pytest's caplog.

@@ -12,10 +12,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from builders import build_chat_model
 from chitu_core.bench.serve import concurrency_list, percentile, token_range
 from chitu_core.server.app import build_app
-from serving import LiveServer, cpu_engine
+from serving import LiveServer, chat_engine
 
 MODEL = "tiny-bench"
 KEY = "sk-bench"
@@ -24,9 +23,7 @@ I, O, N = 8, 6, 8
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench-serve-llama")
-    build_chat_model(path)  # vocab 512
-    with cpu_engine(path) as engine:
+    with chat_engine(tmp_path_factory.mktemp("bench-serve-llama")) as engine:  # vocab 512
         yield engine
 
 

@@ -89,7 +89,7 @@ def test_an_attention_without_the_variants_gives_way_to_the_reference(caplog):
     """A backend's attention written before contract 1.6 never gets the new keywords: the engine runs the
     core's reference attention for a model that needs them, and says so."""
     from chitu_core.attention.reference import ReferenceAttention
-    from chitu_core.engine.engine import build_attention
+    from chitu_core.attention.build import build_attention
     from chitu_core.model import KVGeometry
     from chitu_cpu.attention import CpuSdpaAttention
 

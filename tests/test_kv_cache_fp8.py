@@ -25,7 +25,7 @@ from chitu_core.attention.reference import ReferenceAttention, paged_attention, 
 from chitu_core.config import EngineConfig
 from chitu_core.conformance.attention_cases import metadata
 from chitu_core.conformance.mla_cases import dense_mla
-from chitu_core.engine.engine import build_attention
+from chitu_core.attention.build import build_attention
 from chitu_core.errors import ChituError
 from chitu_core.model import KVGeometry
 from chitu_cpu.attention import CpuSdpaAttention

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -190,8 +191,6 @@ def test_tp2_serves_as_one_process_does_and_ends_when_rank_1_dies(model_path, tm
 
 def completions(url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy completions of ``prompts`` (token ids), all in flight at once; each one's tokens."""
-    from concurrent.futures import ThreadPoolExecutor
-
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
 
     def one(prompt):

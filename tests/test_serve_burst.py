@@ -18,10 +18,9 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from builders import build_chat_model
 from chitu_core.bench.serve_clients import gather_in_processes
 from chitu_core.server.app import build_app
-from serving import LiveServer, cpu_engine
+from serving import LiveServer, chat_engine
 
 MODEL = "tiny-burst"
 KEY = "sk-burst"
@@ -29,9 +28,7 @@ KEY = "sk-burst"
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("burst-llama")
-    build_chat_model(path)  # vocab 512
-    with cpu_engine(path) as engine:
+    with chat_engine(tmp_path_factory.mktemp("burst-llama")) as engine:  # vocab 512
         yield engine
 
 

@@ -79,7 +79,7 @@ class _NoAttention:
 
 
 def _build(model_cls, config, backend, ops, dtype, device, block_size=None):
-    from chitu_core.engine.engine import build_attention
+    from chitu_core.attention.build import build_attention
 
     geometry = model_cls.kv_geometry(config, 1)
     attn = build_attention(backend, geometry, block_size, dtype, device)

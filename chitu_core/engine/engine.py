@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chitu_core.attention.contract import PagedKVBackend
-from chitu_core.attention.mla import ReferenceMLAAttention
-from chitu_core.attention.reference import ReferenceAttention
+from chitu_core.attention.build import build_attention
 from chitu_core.config import EngineConfig
 from chitu_core.distributed.parallel import Parallel
 from chitu_core.distributed.pipeline import StageLink, micro_batches
@@ -36,7 +34,6 @@ from chitu_core.layers.stage import stage_layers
 from chitu_core.loader.dummy import fill_dummy_weights
 from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
-from chitu_core.model import KVGeometry
 from chitu_core.ops.table import with_checks_if_asked
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
 from chitu_core.quantization.kv_scales import load_kv_scales, resolve_kv_cache_dtype
@@ -56,28 +53,6 @@ def _resolve_dtype(requested: str, checkpoint: torch.dtype | None, supported: tu
             raise ChituError(f"backend {backend!r} does not support dtype {requested}; it supports {names}")
         return dtype
     return checkpoint if checkpoint in supported else supported[0]
-
-
-def build_attention(backend, geometry: KVGeometry, block_size: int | None, dtype: torch.dtype,
-                    device: torch.device, kv_cache_dtype: str = "auto") -> PagedKVBackend:
-    """The backend's default attention of the geometry's kind (regular or latent), or the core's
-    reference where the backend declares none, with its cache in ``kv_cache_dtype`` ("auto": the
-    model dtype; "fp8": a ChituError naming the attention backend where it does not support one)."""
-    if geometry.is_mla:
-        cls = next(iter(backend.mla_attention_backends().values()), ReferenceMLAAttention)
-        attention = cls(geometry.num_heads, geometry.kv_lora_rank, geometry.rope_dim,
-                        block_size or cls.block_sizes[0], dtype, device)
-    else:
-        cls = next(iter(backend.attention_backends().values()), ReferenceAttention)
-        missing = geometry.attention_variants - cls.supported_variants()
-        if missing:
-            log.warning("attention backend %r lacks the attention variant(s) %s this model uses; the core's reference "
-                        "attention runs instead (correct, not fast)", cls.name, ", ".join(sorted(missing)))
-            cls = ReferenceAttention
-        attention = cls(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
-                        block_size or cls.block_sizes[0], dtype, device)
-    attention.set_kv_cache_dtype(kv_cache_dtype)
-    return attention
 
 
 @dataclass
@@ -346,17 +321,16 @@ class LLMEngine:
                     raise ChituError("no request could be scheduled: the KV cache is too small for the waiting requests")
                 return []
             decode = all(n == 1 for n in batch.num_new_tokens)
-            for rows in micro_batches(len(batch.seqs), self.parallel.pp_size, decode):
-                part = batch if len(rows) == len(batch.seqs) else ScheduledBatch(
-                    batch.seqs[rows.start:rows.stop], batch.num_new_tokens[rows.start:rows.stop])
-                self._in_flight.append(self._launch(part))
+            self._in_flight.extend(self._launch(batch.part(rows))
+                                   for rows in micro_batches(len(batch.seqs), self.parallel.pp_size, decode))
         current = self._in_flight.popleft()
-        if self.async_scheduling:
-            self._in_flight.extend(self._continuation(current))
+        following = self._continuation(current) if self.async_scheduling else []
+        self._in_flight.extend(following)
         outputs = self._process(current)
-        for pending in [p for p in self._in_flight if all(s.is_finished for s in p.batch.seqs)]:
-            self._in_flight.remove(pending)  # nothing left to read from it
-            pending.land()  # its transfer is still met on every rank
+        for pending in following:  # processing ``current`` finishes sequences of its own group only
+            if all(s.is_finished for s in pending.batch.seqs):
+                self._in_flight.remove(pending)  # nothing left to read from it
+                pending.land()  # its transfer is still met on every rank
         return outputs
 
     def final_output(self, request: Request) -> RequestOutput:
@@ -415,9 +389,9 @@ class LLMEngine:
         if len(rows) < len(batch.seqs):
             ids = ids[torch.tensor(rows).to(self.device, non_blocking=True)]
         # A batch that was the only one in flight splits into groups where a pipeline has stages to fill.
+        following = ScheduledBatch(seqs, [1] * len(seqs))
         parts = micro_batches(len(seqs), 1 if self._in_flight else self.parallel.pp_size, decode=True)
-        return [self._launch(ScheduledBatch(seqs[r.start:r.stop], [1] * len(r)), ids[r.start:r.stop], ahead=1)
-                for r in parts]
+        return [self._launch(following.part(r), ids[r.start:r.stop], ahead=1) for r in parts]
 
     def _process(self, launched: PendingStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and record them; the deltas of the requests that progressed."""

@@ -36,6 +36,12 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def part(self, rows: range) -> "ScheduledBatch":
+        """The batch of ``rows`` (itself when they are all of it)."""
+        if len(rows) == len(self.seqs):
+            return self
+        return ScheduledBatch(self.seqs[rows.start:rows.stop], self.num_new_tokens[rows.start:rows.stop])
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
