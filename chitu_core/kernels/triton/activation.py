@@ -9,13 +9,17 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import as_rows, pow2
+from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 SQRT_HALF = tl.constexpr(0.7071067811865476)
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
-def _act_and_mul_kernel(out_ptr, x_ptr, inter, stride_row, stride_col, BLOCK: tl.constexpr, ACT: tl.constexpr):
+def _act_and_mul_kernel(out_ptr, x_ptr, inter, stride_row, stride_col, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                        PDL: tl.constexpr):
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -40,7 +44,7 @@ def _act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
         block = min(pow2(inter), 1024)
         grid = (rows.shape[0], triton.cdiv(inter, block))
         _act_and_mul_kernel[grid](out, rows, inter, rows.stride(0), rows.stride(1), BLOCK=block, ACT=act,
-                                  num_warps=max(1, min(4, block // 256)))
+                                  num_warps=max(1, min(4, block // 256)), **pdl_options(x.device))
     return out
 
 

@@ -44,20 +44,31 @@ from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.kv_cache import store_kv, store_target
 from chitu_core.kernels.triton.paged_attention import LOG2E, _find_seq, _reduce_splits_kernel, split_workspace
+from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 Tensor = torch.Tensor
 
 MAX_SPLITS = 32
 """Most key ranges a decode splits into: a batch of one on a device of ~130 compute units."""
 MIN_SPLIT_KEYS = 256
-"""Fewest keys a range gets: below that the reduction costs more than the parallelism gains."""
+"""Fewest keys a range of a batch's sequences gets: below that the reduction costs more than the
+parallelism gains."""
+MIN_SPLIT_KEYS_ALONE = 32
+"""Fewest keys a range gets when one sequence decodes alone (one key tile of 16-bit latents). Batch 1,
+16 heads, H100 (plugins/nvidia/scripts/dense_gemv_sweep.py, 27 layers' caches in a graph): the best
+count gave ranges of 24-32 keys at contexts of 256-1024 (256 keys: 16.1 us whole, 7.3 us in 8 ranges;
+1024: 63.1 -> 8.7 us in 32); 256-key ranges left a 384-key context whole (23 us). Batches keep the
+256-key bound: DeepSeek-V2-Lite at batch 32 in graphs failed with an illegal address once its ranges were
+32 keys (not reproduced by the kernel alone in a graph; not understood yet)."""
 TILE_BYTES = 64 << 10
 """Bytes of one key tile in shared memory (pipelined two deep): 32 keys of 576 16-bit channels."""
 
 
 @triton.jit
 def _write_latent_kernel(cache, latent, slot_mapping, kv_scale, stride_lt, stride_ld, stride_c_blk, stride_c_tok,
-                         width, BLOCK_SIZE: tl.constexpr, WIDTH_P: tl.constexpr, FP8: tl.constexpr):
+                         width, BLOCK_SIZE: tl.constexpr, WIDTH_P: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot >= 0:
@@ -76,8 +87,10 @@ def _mla_attention_kernel(
     stride_qt, stride_qh, stride_qd, stride_c_blk, stride_c_tok, stride_bt,
     LORA: tl.constexpr, ROPE: tl.constexpr, LORA_P: tl.constexpr, ROPE_P: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // HEAD_BLOCK
     pid = tl.program_id(0)
     seq = _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q)
@@ -171,7 +184,7 @@ def plan(num_heads: int, max_query_len: int, num_seqs: int, max_seq_len: int, nu
     512 + 64 16-bit channels, 16 in float32). Split the keys only in pure decode steps whose
     programs (sequences times head blocks) would leave the device under-filled (fewer than 2 per
     compute unit) and whose contexts are long (>= 2 * MIN_SPLIT_KEYS), into at most MAX_SPLITS
-    ranges of at least MIN_SPLIT_KEYS. ``num_splits`` forces a count (tests, tuning)."""
+    ranges of at least MIN_SPLIT_KEYS (MIN_SPLIT_KEYS_ALONE for a batch of one). ``num_splits`` forces a count (tests, tuning)."""
     head_block = min(pow2(num_heads), 32)
     block_m = max(16 if max_query_len == 1 else 32, head_block)
     row_bytes = (pow2(kv_lora_rank, at_least=16) + pow2(rope_dim, at_least=16)) * dtype_bytes
@@ -179,8 +192,9 @@ def plan(num_heads: int, max_query_len: int, num_seqs: int, max_seq_len: int, nu
     if num_splits is None:
         num_splits = 1
         programs, target = num_seqs * -(-num_heads // head_block), 2 * num_compute_units
-        if max_query_len == 1 and programs < target and max_seq_len >= 2 * MIN_SPLIT_KEYS:
-            num_splits = max(1, min(MAX_SPLITS, -(-target // programs), max_seq_len // MIN_SPLIT_KEYS))
+        least = MIN_SPLIT_KEYS_ALONE if num_seqs == 1 else MIN_SPLIT_KEYS
+        if max_query_len == 1 and programs < target and max_seq_len >= 2 * least:
+            num_splits = max(1, min(MAX_SPLITS, -(-target // programs), max_seq_len // least))
     rows_x_lora = block_m * pow2(kv_lora_rank, at_least=16)
     return MLAPlan(head_block, block_m, block_n, num_splits, 4 if rows_x_lora <= 16 * 512 else 8)
 
@@ -195,7 +209,7 @@ def write_latent(kv_cache: Tensor, latent: Tensor, slot_mapping: Tensor, kv_scal
     target, scale, fp8 = store_target(kv_cache, kv_scale, 1)
     _write_latent_kernel[(t,)](target, latent, slot_mapping, scale, *latent.stride(), *kv_cache.stride()[:2], width,
                                BLOCK_SIZE=kv_cache.shape[1], WIDTH_P=pow2(width), FP8=fp8,
-                               num_warps=1 if width <= 256 else 4)
+                               num_warps=1 if width <= 256 else 4, **pdl_options(latent.device))
 
 
 def mla_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
@@ -233,12 +247,13 @@ def mla_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: T
         LORA=kv_lora_rank, ROPE=rope_dim, LORA_P=lora_p, ROPE_P=pow2(rope_dim, at_least=16),
         HEAD_BLOCK=step.head_block, BLOCK_M=step.block_m, BLOCK_N=step.block_n, BLOCK_SIZE=kv_cache.shape[1],
         SPLIT=split, PRECISION=float32_precision if q.dtype == torch.float32 else "tf32",  # ignored for 16-bit
-        FP8=fp8, num_warps=step.num_warps, num_stages=2,
+        FP8=fp8, num_warps=step.num_warps, num_stages=2, **pdl_options(q.device),
     )
     if split:
         _reduce_splits_kernel[(t, num_heads)](out, part_acc, part_max, part_sum, num_heads, step.num_splits,
                                               HEAD_DIM=kv_lora_rank, HEAD_P=lora_p, SPLITS_P=pow2(step.num_splits),
-                                              num_warps=4 if step.num_splits * lora_p <= 4096 else 8)
+                                              num_warps=4 if step.num_splits * lora_p <= 4096 else 8,
+                                              **pdl_options(q.device))
     return out
 
 

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.moe_align import align
+from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 from chitu_core.kernels.triton.quant_matmul import TORCH_TO_TL, weight_tile
 
 SQRT_HALF = tl.constexpr(0.7071067811865476)
@@ -43,7 +44,9 @@ ACTIVATIONS = ("silu", "gelu")
 def _route_kernel(out_weights, out_ids, logits, bias, stride_t, stride_e, stride_b, num_groups, group_size, scaling,
                   TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                   GROUPS_P: tl.constexpr, GROUP_P: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                  TOP2_SUM: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  TOP2_SUM: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, GROUPS_P)
     member = tl.arange(0, GROUP_P)
@@ -111,7 +114,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
         group_size, float(scaling), TOP_K=top_k, TOP_K_P=pow2(top_k), SIGMOID=scoring == "sigmoid",
         HAS_BIAS=correction_bias is not None, GROUPS_P=pow2(num_groups) if grouped else 1,
         GROUP_P=pow2(group_size), TOPK_GROUPS=topk_groups if grouped else 1, TOP2_SUM=group_score == "top2_sum",
-        RENORMALIZE=renormalize, num_warps=4 if num_experts > 256 else 2 if num_experts > 64 else 1)
+        RENORMALIZE=renormalize, num_warps=4 if num_experts > 256 else 2 if num_experts > 64 else 1,
+        **pdl_options(router_logits.device))
     return weights, ids
 
 
@@ -227,7 +231,9 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _sum_slots_kernel(out, per_slot, topk_weights, topk_ids, hidden, stride_out, stride_wt, stride_wk,
-                      stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                      stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -244,9 +250,12 @@ def _slot_gemv_kernel(
     stride_se, stride_sn, stride_sk, stride_out, stride_it, stride_ik,
     TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, W_KIND: tl.constexpr, SCALES: tl.constexpr,
     BN_W: tl.constexpr, BK_W: tl.constexpr, W_FACTOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[slot, n] = sum_k a[slot // rows_per_a, k] * W[e, n, k], e the slot's expert, as a matrix-vector
     product in float32 registers; GATED, W and its scales as in ``_grouped_gemm_kernel``."""
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     slot = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids + (slot // TOP_K) * stride_it + (slot % TOP_K) * stride_ik)
     if expert < 0:
@@ -291,7 +300,7 @@ def sum_slots(out, per_slot, topk_weights, topk_ids):
     block = min(pow2(hidden), 1024)
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
         out, per_slot, topk_weights, topk_ids, hidden, out.stride(0), *topk_weights.stride(), *topk_ids.stride(),
-        TOP_K=top_k, BLOCK=block, num_warps=4)
+        TOP_K=top_k, BLOCK=block, num_warps=4, **pdl_options(out.device))
     return out
 
 
@@ -339,12 +348,12 @@ def slot_experts(out, x, w13, s13, w2, s2, weights: ExpertWeights, topk_weights,
     _slot_gemv_kernel[(slots, triton.cdiv(inter_size, up["BLOCK_N"]))](
         inter, x, w13, s13 if s13 is not None else x, topk_ids, inter_size, hidden, top_k, *x.stride(),
         *w13.stride(), *_scale_strides(s13), inter.stride(0), *topk_ids.stride(), TOP_K=top_k, GATED=True,
-        ACT=activation, **weights.consts(), **up)
+        ACT=activation, **weights.consts(), **up, **pdl_options(x.device))
     per_slot = torch.empty((slots, hidden), dtype=torch.float32, device=x.device)
     _slot_gemv_kernel[(slots, triton.cdiv(hidden, down["BLOCK_N"]))](
         per_slot, inter, w2, s2 if s2 is not None else x, topk_ids, hidden, inter_size, 1, *inter.stride(),
         *w2.stride(), *_scale_strides(s2), per_slot.stride(0), *topk_ids.stride(), TOP_K=top_k, GATED=False,
-        ACT=activation, **weights.consts(), **down)
+        ACT=activation, **weights.consts(), **down, **pdl_options(x.device))
     return sum_slots(out, per_slot, topk_weights, topk_ids)
 
 

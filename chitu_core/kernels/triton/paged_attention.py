@@ -32,6 +32,7 @@ import triton.language as tl
 
 from chitu_core.attention.fp8 import FP8_DTYPE, check_scale
 from chitu_core.kernels.triton.common import pow2
+from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 LOG2E = 1.4426950408889634
 
@@ -60,8 +61,10 @@ def _attention_kernel(
     stride_qt, stride_qh, stride_qd, stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -145,7 +148,10 @@ def _attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(out, part_acc, part_max, part_sum, num_heads, num_splits,
-                          HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SPLITS_P: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SPLITS_P: tl.constexpr,
+                          PDL: tl.constexpr):
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64) * num_heads + tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
     s_ok = s < num_splits
@@ -249,12 +255,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=split,
         PRECISION=float32_precision if q.dtype == torch.float32 else "tf32",  # ignored for 16-bit inputs
         FP8=fp8, SOFTCAP=softcap is not None, WINDOW=window is not None, num_warps=step.num_warps,
-        **({} if step.num_stages is None else {"num_stages": step.num_stages}),
+        **({} if step.num_stages is None else {"num_stages": step.num_stages}), **pdl_options(q.device),
     )
     if split:
         _reduce_splits_kernel[(t, num_heads)](out, part_acc, part_max, part_sum, num_heads, step.num_splits,
                                               HEAD_DIM=dim, HEAD_P=head_p, SPLITS_P=pow2(step.num_splits),
-                                              num_warps=4)
+                                              num_warps=4, **pdl_options(q.device))
     return out
 
 

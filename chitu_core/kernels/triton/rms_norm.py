@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import as_rows, pow2
+from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 MAX_HIDDEN = 65536  # one row per program, in registers
 
@@ -21,8 +22,10 @@ MAX_HIDDEN = 65536  # one row per program, in registers
 def _rms_norm_kernel(
     out_ptr, sum_ptr, x_ptr, res_ptr, w_ptr, b_ptr, H, eps,
     stride_x_row, stride_x_col, stride_r_row, stride_r_col, stride_w, stride_b,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # MODE 0: Llama's RMSNorm, 1: the offset RMSNorm, 2: LayerNorm
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -63,7 +66,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             out, total, rows, res, weight, b, hidden, eps,
             rows.stride(0), rows.stride(1), res.stride(0), res.stride(1), weight.stride(0), b.stride(0),
             BLOCK=block, HAS_RESIDUAL=residual is not None, MODE=mode, HAS_BIAS=bias is not None,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)), **pdl_options(x.device),
         )
     return out, total
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.kv_cache import check_cache, copy_heads, store_kv, store_target
+from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 
 @triton.jit
@@ -61,8 +62,10 @@ def _rotary_kernel(
     num_q_heads, num_kv_heads, half, head_dim,
     Q_HEADS_P: tl.constexpr, K_HEADS_P: tl.constexpr, HALF_P: tl.constexpr, PASS_P: tl.constexpr,
     DIM_P: tl.constexpr, IS_NEOX: tl.constexpr, WRITE_CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t * stride_pos).to(tl.int64)
     i = tl.arange(0, HALF_P)[None, :]
@@ -106,7 +109,7 @@ def _launch(positions, q, k, cos_sin_cache, is_neox, v=None, kv_cache=None, slot
         hq, hk, rot // 2, dim,
         Q_HEADS_P=pow2(hq), K_HEADS_P=pow2(hk), HALF_P=pow2(rot // 2), PASS_P=pow2(dim - rot) if dim > rot else 0,
         DIM_P=pow2(dim), IS_NEOX=is_neox, WRITE_CACHE=write, BLOCK_SIZE=kv_cache.shape[2] if write else 1, FP8=fp8,
-        num_warps=4,
+        num_warps=4, **pdl_options(q.device),
     )
     return q_out, k_out
 

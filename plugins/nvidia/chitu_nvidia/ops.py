@@ -1,11 +1,13 @@
 """The NVIDIA backend's ops over the portable Triton ones (``TritonBackend.native_ops``).
 
-linear goes to cuBLAS, or to cuBLASLt for the batch sizes where its kernels are faster. Before
+linear goes to cuBLAS, or to cuBLASLt for the batch sizes where its kernels are faster, or at batch 1
+with a narrow output (up to ``dense_gemv.MAX_N``) to the Triton matrix-vector kernel. Before
 Ada/Hopper (compute capability 8.9) there are no FP8 types, so the FP8 linears and experts decode the
 bytes in registers. Sampling filters and penalties stay reference fallbacks until on-device sampling
 kernels land.
 """
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -17,9 +19,16 @@ decode shapes (scripts/gemm_layouts.py rows), cuBLASLt is as fast or faster for 
 (at 64: gate_up 59.5 -> 56.8 us, down 34.9 -> 31.3 us) and slower at 16 (down) and at 128
 (down, LM head); elsewhere they tie. Graph capture records the choice, so replays pay nothing."""
 
+MAX_GEMV_N = int(os.environ.get("CHITU_GEMV_MAX_N", 1024))
+"""Widest output ``linear`` sends to the Triton matrix-vector kernel at batch 1 (``dense_gemv_config``);
+CHITU_GEMV_MAX_N sets another (to compare)."""
+_dense_gemv: Callable | None = None  # bound by nvidia_ops(), which runs only where triton is installed
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
+    if rows == 1 and weight.shape[0] <= MAX_GEMV_N and x.dtype == weight.dtype and _dense_gemv is not None:
+        return _dense_gemv(x, weight, bias)  # narrow outputs at batch 1: routers, the latent projection
     if not LT_ROWS[0] <= rows <= LT_ROWS[1]:
         return F.linear(x, weight, bias)
     before = torch.backends.cuda.preferred_blas_library()
@@ -32,6 +41,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def nvidia_ops() -> dict[str, Callable]:
     """Called only where triton is installed (``TritonBackend.native_ops``)."""
+    global _dense_gemv
+    from chitu_core.kernels.triton.dense_gemv import dense_gemv
+
+    _dense_gemv = dense_gemv
     ops: dict[str, Callable] = {"linear": linear}
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes

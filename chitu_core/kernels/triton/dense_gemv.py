@@ -1,0 +1,119 @@
+"""linear for one row of x (batch-1 decode) with a 16-bit or float32 weight: a matrix-vector product of
+our own, for the skinny shapes where a BLAS picks tiles that leave most of the device idle.
+
+A program owns BLOCK_N output columns and one of ``split`` slices of K. Each step it loads a
+[BLOCK_K, BLOCK_N] tile of the weight, along whichever of its dimensions is contiguous (K_MAJOR: the
+weight's rows [N, K] are contiguous; else the transposed storage [K, N], ``Backend.transposed_linear_weights``),
+and multiplies it elementwise into a float32 tile of partial sums, reduced once after the loop. The
+next tile's load is issued before this one is used. Split-K as ``gemv.int4_gemv`` does it
+(``split_k.finish_split``: the last slice to finish adds the slices in order, deterministic).
+
+Programmatic dependent launch (``pdl``): the first weight tile is loaded before ``gdc_wait``, so the
+load overlaps the previous kernel's tail; nothing is read from x or written before the wait.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from chitu_core.kernels.triton.common import num_compute_units
+from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
+from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, split_counters
+
+
+@dataclass(frozen=True)
+class DenseGemvConfig:
+    """block_n output columns a program, block_k features a step, split_k slices of K, num_warps."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+
+
+def dense_gemv_config(n: int, k: int, k_major: bool, compute_units: int) -> DenseGemvConfig:
+    """Tiles from the sweep on an H100 (plugins/nvidia/scripts/dense_gemv_sweep.py), for outputs of up
+    to 1024: rows of the weight contiguous (routers), 8 columns a program reading 1024 features a
+    step with 8 warps; the transposed storage, 64 columns by 128 features with 4 warps. K is split until
+    there are about four programs per compute unit (two for row-major), each slice at least two tiles
+    deep. There: a 64 x 2048 float32 router 4.4 -> 2.1 us, a 576 x 2048 bf16 projection 5.8 -> 4.4 us
+    against cuBLAS; at wider outputs cuBLAS was as fast or faster."""
+    block_n, block_k, warps, per_unit = (8, 1024, 8, 2) if k_major else (64, 128, 4, 4)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    programs = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = max(1, min(steps // 2, triton.cdiv(per_unit * compute_units, programs)))
+    return DenseGemvConfig(block_n, block_k, split, num_warps=warps)
+
+
+@triton.jit
+def _tile(w, rk, rn, k_hi, n_ok, stride_wn, stride_wk, K_MAJOR: tl.constexpr):
+    """The weight tile at features rk (oriented [BLOCK_N, BLOCK_K] if K_MAJOR else [BLOCK_K, BLOCK_N])."""
+    k_ok = rk < k_hi
+    if K_MAJOR:
+        tile = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] * stride_wk,
+                       mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    else:
+        tile = tl.load(w + rk[:, None].to(tl.int64) * stride_wk + rn[None, :] * stride_wn,
+                       mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    return tile
+
+
+@triton.jit(do_not_specialize=["k_per_split", "split"])
+def _dense_gemv_kernel(out, partials, counters, x, w, bias, N, K, k_per_split, split, stride_xk, stride_wn, stride_wk,
+                       stride_b, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr,
+                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    kk = tl.arange(0, BLOCK_K)
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    nxt = _tile(w, k_lo + kk, rn, k_hi, n_ok, stride_wn, stride_wk, K_MAJOR)  # weights: no wait
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
+    if K_MAJOR:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        tile = nxt
+        nxt = _tile(w, k0 + BLOCK_K + kk, rn, k_hi, n_ok, stride_wn, stride_wk, K_MAJOR)
+        xk = tl.load(x + (k0 + kk) * stride_xk, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)
+        if K_MAJOR:
+            acc2 += tile.to(tl.float32) * xk[None, :]
+        else:
+            acc2 += tile.to(tl.float32) * xk[:, None]
+    acc = tl.sum(acc2, axis=1 if K_MAJOR else 0)
+    finish_split(acc[None, :], out, partials, counters, bias, tl.arange(0, 1), rn, n_ok[None, :], 1, N, N, stride_b,
+                 pid_n, pid_s, split, SPLIT_K, HAS_BIAS)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               config: DenseGemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """x [..., K] with one row; weight [N, K] with either dimension contiguous; bias [N] or None ->
+    [..., N] in x.dtype, float32 accumulation. ``pdl``: launch dependent on the previous kernel (default:
+    where the device and Triton support it, ``pdl.pdl_launch``)."""
+    k, n = x.shape[-1], weight.shape[0]
+    k_major = weight.stride(1) == 1
+    cfg = config or dense_gemv_config(n, k, k_major, num_compute_units(x.device))
+    row = x.reshape(k)
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    steps = triton.cdiv(k, cfg.block_k)
+    k_per_split = triton.cdiv(steps, max(1, min(cfg.split_k, steps))) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    blocks = triton.cdiv(n, cfg.block_n)
+    if split > 1:
+        check_split_tiles(blocks, "dense_gemv")
+    partials = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out
+    use_pdl = pdl_launch(x.device) if pdl is None else pdl
+    _dense_gemv_kernel[(blocks, split)](
+        out, partials, split_counters(x.device), row, weight, b, n, k, k_per_split, split, row.stride(0),
+        weight.stride(0), weight.stride(1), b.stride(0) if bias is not None else 0, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, K_MAJOR=k_major, SPLIT_K=split > 1, HAS_BIAS=bias is not None, PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}))
+    return out.reshape(*x.shape[:-1], n)

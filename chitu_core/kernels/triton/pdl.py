@@ -1,0 +1,60 @@
+"""Programmatic dependent launch: a kernel launched with it may start while the kernel before it on the
+stream finishes, so its launch and its prologue (loading weights, which no earlier kernel writes)
+overlap that kernel's tail; device graphs keep the overlap (the edge is recorded as programmatic).
+
+A kernel that opts in takes a ``PDL`` constexpr and
+  * calls ``gdc_wait(PDL)`` in every program before it reads anything an earlier kernel wrote, writes
+    anything, or returns (a program that returned without waiting could let the grid complete before
+    its predecessor, and a kernel after it would then wait on too little);
+  * calls ``gdc_launch_dependents(PDL)`` once it is fine for the next kernel to be scheduled (at once
+    after the wait: the next kernel's programs only wait, and only once all of this grid has started);
+  * is launched with ``launch_pdl=True`` where ``pdl_launch(device)`` says the device and Triton
+    support it. Kernels that do not opt in are launched as before and wait for their predecessor whole.
+
+CHITU_PDL=0 turns it off (to compare, or to rule it out).
+"""
+
+import os
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+PDL_ENV = "CHITU_PDL"
+
+
+@cache
+def pdl_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may be launched dependent: Triton's CUDA backend with the
+    ``launch_pdl`` option, a device of compute capability 9.0 or newer, and CHITU_PDL not "0"."""
+    if os.environ.get(PDL_ENV, "1") == "0" or device.type != "cuda" or torch.version.cuda is None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        target = triton.runtime.driver.active.get_current_target()
+    except (ImportError, RuntimeError, AttributeError):
+        return False
+    if target.backend != "cuda" or "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def gdc_wait(PDL: tl.constexpr):
+    """Wait until the kernel before this one has completed and its writes are visible (PDL only)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def gdc_launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel be scheduled once every program of this one has got here (PDL only)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch keywords for a kernel that opts in: its ``PDL`` constexpr, and ``launch_pdl`` where on."""
+    return {"PDL": True, "launch_pdl": True} if pdl_launch(device) else {"PDL": False}
