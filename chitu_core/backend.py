@@ -66,6 +66,25 @@ class GraphRunner(ABC):
         the tensor ``fn`` returned, in the same storage at every replay."""
 
 
+class SideQueue(ABC):
+    """Optional (contract 1.8): a second work queue on the device, for work that does not depend on what
+    the main queue does meanwhile (``Backend.side_queue``). A layer forks work onto it and joins it back
+    before using the results; both are recorded by graph capture, so the two run side by side in replays.
+
+    Tensors that work on the side queue makes are used on the main queue only after ``join``. Its inputs
+    stay alive until then (the layer holds them), and the next ``run`` starts behind everything queued on
+    the main queue by then, so no memory is reused while the other queue still reads it."""
+
+    @abstractmethod
+    def run(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Queue ``fn``'s device work on the side queue, behind all work queued on the main queue so far,
+        and return what ``fn`` returned."""
+
+    @abstractmethod
+    def join(self) -> None:
+        """Make the main queue's later work wait for all work queued on the side queue so far."""
+
+
 class Backend(ABC):
     """A device backend. Instances are cheap: constructing one must not touch the device.
 
@@ -177,6 +196,13 @@ class Backend(ABC):
 
     def graph_runner(self) -> GraphRunner | None:
         """A graph runner for decode steps, or None where graphs are not supported."""
+        return None
+
+    def side_queue(self, index: int = 0) -> SideQueue | None:
+        """(1.8) Optional: a ``SideQueue`` on device ``index``, where the device runs two queues of work at
+        once (CUDA or HIP streams); layers then run independent work side by side (a mixture-of-experts layer's
+        shared experts beside its routed ones). One object serves the whole model. Default: None, every
+        piece of work queued in order."""
         return None
 
     def pin_memory(self) -> bool:

@@ -6,6 +6,7 @@ import torch
 
 from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 from chitu_core.attention.mla import MLAAttentionBackend
+from chitu_core.backend import SideQueue
 from chitu_core.distributed.communicator import Communicator
 from chitu_core.distributed.parallel import Parallel
 from chitu_core.layers.cpu_experts import CPUExperts
@@ -29,6 +30,7 @@ class BuildContext:
     parallel: Parallel | None = None  # the pipeline and expert layout (None: one stage, comm's ranks only)
     expert_parallel: bool = False  # routed experts split whole over the tensor-parallel ranks
     cpu_experts: CPUExperts | None = None  # layers whose routed experts stay in host memory, run on the CPU
+    side: SideQueue | None = None  # the backend's second work queue (contract 1.8), for independent work
 
     @property
     def cpu_expert_layers(self) -> frozenset[int]:

@@ -129,7 +129,8 @@ class FusedMoE(nn.Module):
 
     forward(x [T, H], router_logits [T, E], shared=None) -> [T, H] in x.dtype, plus ``shared()`` where
     given: the caller's shared experts as this rank's partial sum (their down projection unreduced, so
-    that one all-reduce sums both), run on the device while CPU experts compute. Summed over ranks
+    that one all-reduce sums both), run on the device while CPU experts compute, or on the backend's
+    side queue (``ctx.side``, contract 1.8) while the routed experts run. Summed over ranks
     unless ``reduce`` is False."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: BuildContext, top_k: int, *,
@@ -137,7 +138,7 @@ class FusedMoE(nn.Module):
                  group_score: str = "max", scaling: float = 1.0, correction_bias: bool = False,
                  activation: str = "silu", layer_idx: int | None = None):
         super().__init__()
-        self.ops, self.comm = ctx.ops, ctx.comm
+        self.ops, self.comm, self.side = ctx.ops, ctx.comm, ctx.side
         self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
         self.num_experts, self.hidden_size = num_experts, hidden_size
         # Expert parallelism: rank r holds whole experts [r*E_local, (r+1)*E_local); else a slice of every one.
@@ -222,11 +223,16 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        beside = self.host is None and shared is not None and self.side is not None
+        extra = self.side.run(shared) if beside else None  # the shared experts beside routing and the routed ones
         weights, ids = self.ops.moe_route(router_logits, correction_bias=self.e_score_correction_bias, **self.route_args)
         if self.expert_parallel:  # slots routed to another rank's experts: -1, which the op skips
             ids = ids - self.first_expert
             ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
-        if self.host is None:
+        if beside:
+            out = self.quant_method.apply_experts(self, x, weights, ids, self.activation, self.ops)
+            self.side.join()
+        elif self.host is None:
             out = self.quant_method.apply_experts(self, x, weights, ids, self.activation, self.ops)
             extra = shared() if shared is not None else None
         else:  # the copies are queued first, so that the shared experts' work queues behind them

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from chitu_core.backend import Availability, Backend, MemoryInfo
+from chitu_core.backend import Availability, Backend, MemoryInfo, SideQueue
 from chitu_core.ops import reference
 
 KV_CACHE_SHARE = 0.9
@@ -136,6 +136,12 @@ class TritonBackend(Backend):
     def pin_memory(self) -> bool:
         return True
 
+    def side_queue(self, index: int = 0):
+        """A second stream (CHITU_SIDE_QUEUE=0: none, every piece of work in order on one)."""
+        if os.environ.get("CHITU_SIDE_QUEUE", "1") == "0":
+            return None
+        return StreamSideQueue(torch.device("cuda", index))
+
     def completion_event(self):
         event = torch.cuda.Event()
         event.record()
@@ -162,3 +168,31 @@ class TritonBackend(Backend):
         free = self.memory_info(index).free_bytes
         free += torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
         return max(0, int(free * KV_CACHE_SHARE) - KV_CACHE_MARGIN)
+
+
+class StreamSideQueue(SideQueue):
+    """``SideQueue`` on a second stream of the device: ``run`` makes it wait for the current stream, then
+    queues the work on it; ``join`` makes the current stream wait for it. Stream capture records both as
+    graph edges (the side stream joins the capture), and allocations on either stream then come from the
+    graph's pool. Its inputs stay referenced until the join, its outputs are used only after it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream: torch.cuda.Stream | None = None  # made at the first use, once the device is set
+
+    def run(self, fn):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        from chitu_core.kernels.triton.split_k import QUEUE  # split-K counters of this queue's own
+
+        token = QUEUE.set(1)
+        try:
+            with torch.cuda.stream(self.stream):
+                return fn()
+        finally:
+            QUEUE.reset(token)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)

@@ -5,10 +5,11 @@ the result cast to the output's dtype. Two ways:
   partial sums, then bumps its output tile's counter (acquire-release); the slice that arrives last adds
   every slice in order, stores the tile and resets the counter. The counters are one zeroed buffer per
   device (``split_counters``) that every launch leaves zeroed again, so launches queued on one stream
-  (and graph replays of them) share it; split-K kernels must not run concurrently on several streams.
+  (and graph replays of them) share it; the side queue (contract 1.8) has buffers of its own (``QUEUE``).
 * ``sum_splits``: a second kernel over the partials [S, M, N].
 """
 
+from contextvars import ContextVar
 from functools import cache
 
 import torch
@@ -18,9 +19,20 @@ import triton.language as tl
 MAX_SPLIT_TILES = 1 << 16
 
 
-@cache
+QUEUE: ContextVar[int] = ContextVar("chitu_split_k_queue", default=0)
+"""Which of the device's work queues launches are being queued on: 0 the main one, 1 the backend's
+side queue (``StreamSideQueue`` sets it while its work is queued). Each queue has its own counters, so
+split-K kernels on the two never share one."""
+
+
 def split_counters(device: torch.device) -> torch.Tensor:
-    """One zeroed int32 counter per output tile, shared by the split-K launches on ``device``."""
+    """One zeroed int32 counter per output tile, shared by the split-K launches queued on ``device``'s
+    current work queue (``QUEUE``)."""
+    return _counters(device, QUEUE.get())
+
+
+@cache
+def _counters(device: torch.device, queue: int) -> torch.Tensor:
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
