@@ -20,7 +20,7 @@ import triton.language as tl
 
 from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
-from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, split_counters
+from chitu_core.kernels.triton.split_k import finish_split, row_slice, row_split
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,8 @@ def _tile(w, rk, rn, k_hi, n_ok, stride_wn, stride_wk, K_MAJOR: tl.constexpr):
 def _dense_gemv_kernel(out, partials, counters, x, w, bias, N, K, k_per_split, split, stride_xk, stride_wn, stride_wk,
                        stride_b, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr,
                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    rn, n_ok, k_lo, k_hi = row_slice(N, K, k_per_split, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
-    k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
     nxt = _tile(w, k_lo + kk, rn, k_hi, n_ok, stride_wn, stride_wk, K_MAJOR)  # weights: no wait
     gdc_wait(PDL)
     gdc_launch_dependents(PDL)
@@ -89,7 +84,7 @@ def _dense_gemv_kernel(out, partials, counters, x, w, bias, N, K, k_per_split, s
             acc2 += tile.to(tl.float32) * xk[:, None]
     acc = tl.sum(acc2, axis=1 if K_MAJOR else 0)
     finish_split(acc[None, :], out, partials, counters, bias, tl.arange(0, 1), rn, n_ok[None, :], 1, N, N, stride_b,
-                 pid_n, pid_s, split, SPLIT_K, HAS_BIAS)
+                 tl.program_id(0), tl.program_id(1), split, SPLIT_K, HAS_BIAS)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -102,18 +97,12 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     cfg = config or dense_gemv_config(n, k, k_major, num_compute_units(x.device))
     row = x.reshape(k)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    steps = triton.cdiv(k, cfg.block_k)
-    k_per_split = triton.cdiv(steps, max(1, min(cfg.split_k, steps))) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
-    blocks = triton.cdiv(n, cfg.block_n)
-    if split > 1:
-        check_split_tiles(blocks, "dense_gemv")
-    partials = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    plan = row_split(k, n, cfg.block_k, cfg.block_n, cfg.split_k, out, "dense_gemv")
     b = bias if bias is not None else out
     use_pdl = pdl_launch(x.device) if pdl is None else pdl
-    _dense_gemv_kernel[(blocks, split)](
-        out, partials, split_counters(x.device), row, weight, b, n, k, k_per_split, split, row.stride(0),
+    _dense_gemv_kernel[(plan.blocks, plan.split)](
+        out, plan.partials, plan.counters, row, weight, b, n, k, plan.k_per_split, plan.split, row.stride(0),
         weight.stride(0), weight.stride(1), b.stride(0) if bias is not None else 0, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, K_MAJOR=k_major, SPLIT_K=split > 1, HAS_BIAS=bias is not None, PDL=use_pdl,
+        BLOCK_K=cfg.block_k, K_MAJOR=k_major, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None, PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}))
     return out.reshape(*x.shape[:-1], n)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import num_compute_units
-from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, split_counters
+from chitu_core.kernels.triton.split_k import finish_split, row_slice, row_split
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,8 @@ def _int4_gemv_kernel(
     HAS_BIAS: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK_K // 8
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    rn, n_ok, k_lo, k_hi = row_slice(N, K, k_per_split, BLOCK_N)
     ri = tl.arange(0, R)
-    k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
     w_cols = qweight + rn[None, :] * stride_qn
     # the next tile's words are loaded before this one is used
     acc2 = tl.zeros((R, BLOCK_N), dtype=tl.float32)
@@ -92,7 +87,7 @@ def _int4_gemv_kernel(
         acc2 += (16.0 * t - (16.0 + z)[None, :] * sxr[:, None]) * s[None, :]
     acc = tl.sum(acc2, axis=0)
     finish_split(acc[None, :], out, partials, counters, bias, tl.arange(0, 1), rn, n_ok[None, :], 1, N, N, stride_b,
-                 pid_n, pid_s, split, SPLIT_K, HAS_BIAS)
+                 tl.program_id(0), tl.program_id(1), split, SPLIT_K, HAS_BIAS)
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -104,17 +99,11 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         raise ValueError(f"int4_gemv: block_k {cfg.block_k} must be a multiple of 8 dividing group size {group_size}")
     row = x.reshape(k)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    steps = triton.cdiv(k, cfg.block_k)
-    k_per_split = triton.cdiv(steps, max(1, min(cfg.split_k, steps))) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
-    blocks = triton.cdiv(n, cfg.block_n)
-    if split > 1:
-        check_split_tiles(blocks, "int4_gemv")
-    partials = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    plan = row_split(k, n, cfg.block_k, cfg.block_n, cfg.split_k, out, "int4_gemv")
     b = bias if bias is not None else out
-    _int4_gemv_kernel[(blocks, split)](
-        out, partials, split_counters(x.device), row, qweight, scales, zeros, b, n, k, k_per_split, split,
+    _int4_gemv_kernel[(plan.blocks, plan.split)](
+        out, plan.partials, plan.counters, row, qweight, scales, zeros, b, n, k, plan.k_per_split, plan.split,
         row.stride(0), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0),
-        GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split > 1, HAS_BIAS=bias is not None,
+        GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*x.shape[:-1], n)

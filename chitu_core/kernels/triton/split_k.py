@@ -11,6 +11,7 @@ the result cast to the output's dtype. Two ways:
 
 from contextvars import ContextVar
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,10 +37,43 @@ def _counters(device: torch.device, queue: int) -> torch.Tensor:
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
+class RowSplit(NamedTuple):
+    """A one-row matrix-vector launch split along K: ``k_per_split`` features a slice, ``split`` slices,
+    ``blocks`` column blocks (the grid is (blocks, split)), float32 ``partials`` [split, N] (``out`` itself
+    without a split) and the current queue's ``counters``."""
+
+    k_per_split: int
+    split: int
+    blocks: int
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+
+def row_split(k: int, n: int, block_k: int, block_n: int, split_k: int, out: torch.Tensor, what: str) -> RowSplit:
+    """Slices of whole BLOCK_K steps, at most ``split_k`` of them, for an [N] output ``out``."""
+    steps = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(steps, max(1, min(split_k, steps))) * block_k
+    split = triton.cdiv(k, k_per_split)
+    blocks = triton.cdiv(n, block_n)
+    if split > 1:
+        check_split_tiles(blocks, what)
+    partials = torch.empty((split, n), dtype=torch.float32, device=out.device) if split > 1 else out
+    return RowSplit(k_per_split, split, blocks, partials, split_counters(out.device))
+
+
 def check_split_tiles(tiles: int, what: str) -> None:
     if tiles > MAX_SPLIT_TILES:
         raise ValueError(f"{what}: {tiles} output tiles split along K exceed the {MAX_SPLIT_TILES} counters; "
                          "use larger tiles or no split")
+
+
+@triton.jit
+def row_slice(N, K, k_per_split, BLOCK_N: tl.constexpr):
+    """A one-row split-K program's output columns rn, which of them exist, and its slice [k_lo, k_hi)
+    of K (grid: column blocks, slices)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = tl.program_id(1) * k_per_split
+    return rn, rn < N, k_lo, tl.minimum(k_lo + k_per_split, K)
 
 
 @triton.jit

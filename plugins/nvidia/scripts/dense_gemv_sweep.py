@@ -23,7 +23,7 @@ from chitu_core.kernels.triton.dense_gemv import DenseGemvConfig, dense_gemv, de
 from chitu_core.kernels.triton.pdl import pdl_launch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gemv_sweep import copies, rotated  # noqa: E402
+from gemv_sweep import copies, print_table, rotated  # noqa: E402
 from quant_kernels import DEV, nmse, timed  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -127,10 +127,7 @@ def main() -> int:
         print(rows[-4:], flush=True)
         del sets
     rows += mla_rows(units)
-    print("| shape | kernel | config | us | of floor | nmse | |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print_table(rows, "")
     return 0
 
 

@@ -25,6 +25,14 @@ from quant_kernels import DEV, SHAPES, nmse, operands, timed  # noqa: E402
 L2_BYTES = 120 << 20  # copies of a weight until the set is this large (H100 L2: 50 MB)
 
 
+def print_table(rows, last: str) -> None:
+    """The sweep's rows as a markdown table (shape, kernel, config, us, of floor, nmse, ``last``)."""
+    print(f"| shape | kernel | config | us | of floor | nmse | {last} |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
 def copies(make, nbytes: int):
     return [make(i) for i in range(max(2, -(-L2_BYTES // nbytes)))]
 
@@ -91,10 +99,7 @@ def main() -> int:
                              f"{nmse(got, want):.1e}", same))
             print(rows[-3:], flush=True)
             del sets
-    print("| shape | kernel | config | us | of floor | nmse | same bits |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print_table(rows, "same bits")
     return 0
 
 
