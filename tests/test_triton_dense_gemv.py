@@ -62,3 +62,16 @@ def test_default_tiles_follow_the_layout():
     assert (rows.block_n, rows.block_k, rows.split_k, rows.num_warps) == (8, 1024, 1, 8)
     assert (transposed.block_n, transposed.block_k, transposed.split_k) == (64, 128, 8)
     assert dense_gemv_config(64, 100, True, 132).block_k == 128  # never wider than K's power of two
+
+
+def test_dependent_launch_waits_for_a_backend_to_allow_it(monkeypatch):
+    from chitu_core.kernels.triton import pdl
+
+    monkeypatch.setattr(pdl, "_allowed", False)
+    pdl.pdl_launch.cache_clear()
+    assert not pdl.pdl_launch(torch.device("cuda", 0))  # not allowed: no device is even asked
+    pdl.allow()
+    try:
+        assert not pdl.pdl_launch(torch.device("cpu"))  # allowed, but not a device that launches dependent
+    finally:
+        pdl.allow(False)

@@ -8,8 +8,8 @@ A kernel that opts in takes a ``PDL`` constexpr and
     its predecessor, and a kernel after it would then wait on too little);
   * calls ``gdc_launch_dependents(PDL)`` once it is fine for the next kernel to be scheduled (at once
     after the wait: the next kernel's programs only wait, and only once all of this grid has started);
-  * is launched with ``launch_pdl=True`` where ``pdl_launch(device)`` says the device and Triton
-    support it. Kernels that do not opt in are launched as before and wait for their predecessor whole.
+  * is launched with ``launch_pdl=True`` where ``pdl_launch(device)`` says the backend allows it and
+    the device and Triton support it. Kernels that do not opt in are launched as before and wait for their predecessor whole.
 
 CHITU_PDL=0 turns it off (to compare, or to rule it out).
 """
@@ -22,13 +22,24 @@ import triton
 import triton.language as tl
 
 PDL_ENV = "CHITU_PDL"
+_allowed = False
+
+
+def allow(on: bool = True) -> None:
+    """Let kernels launch dependent (off until a backend asks: the NVIDIA backend does when its ops are
+    resolved). Another vendor's PyTorch may present its devices as ``cuda`` with a Triton build that has
+    no such launch; its backend leaves this off."""
+    global _allowed
+    _allowed = on
+    pdl_launch.cache_clear()
 
 
 @cache
 def pdl_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may be launched dependent: Triton's CUDA backend with the
-    ``launch_pdl`` option, a device of compute capability 9.0 or newer, and CHITU_PDL not "0"."""
-    if os.environ.get(PDL_ENV, "1") == "0" or device.type != "cuda" or torch.version.cuda is None:
+    """Whether kernels on ``device`` may be launched dependent: allowed by the backend (``allow``),
+    Triton's CUDA backend with the ``launch_pdl`` option, a device of compute capability 9.0 or newer,
+    and CHITU_PDL not "0"."""
+    if not _allowed or os.environ.get(PDL_ENV, "1") == "0" or device.type != "cuda" or torch.version.cuda is None:
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

@@ -42,9 +42,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def nvidia_ops() -> dict[str, Callable]:
     """Called only where triton is installed (``TritonBackend.native_ops``)."""
     global _dense_gemv
+    from chitu_core.kernels.triton import pdl
     from chitu_core.kernels.triton.dense_gemv import dense_gemv
 
     _dense_gemv = dense_gemv
+    pdl.allow()  # Hopper and newer: the decode path's kernels launch dependent (pdl.pdl_launch checks the device)
     ops: dict[str, Callable] = {"linear": linear}
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes

@@ -20,7 +20,7 @@ import triton
 
 from chitu_core.bench.floor import copy_bandwidth
 from chitu_core.kernels.triton.dense_gemv import DenseGemvConfig, dense_gemv, dense_gemv_config
-from chitu_core.kernels.triton.pdl import pdl_launch
+from chitu_core.kernels.triton.pdl import allow, pdl_launch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gemv_sweep import copies, print_table, rotated  # noqa: E402
@@ -97,6 +97,7 @@ def mla_rows(units):
 
 
 def main() -> int:
+    allow()  # as the NVIDIA backend does once its ops are resolved
     bw = copy_bandwidth(DEV, torch.cuda.synchronize)
     units = torch.cuda.get_device_properties(DEV).multi_processor_count
     print(f"device {torch.cuda.get_device_name()}, {units} units, copy bandwidth {bw / 1e9:.0f} GB/s, "
