@@ -54,7 +54,12 @@ def main() -> None:
                      key=lambda e: -e.self_device_time_total)
     gpu_ms = sum(e.self_device_time_total for e in kernels) / n / 1e3
     launches = sum(e.count for e in kernels) / n
-    lines = [f"{args.model} batch {b}: wall {wall_ms:.3f} ms/step, GPU {gpu_ms:.3f} ms/step in {launches:.0f} launches",
+    from chitu_core.kernels.triton.pdl import pdl_launch
+
+    overlap = ("; kernels launch dependent (CHITU_PDL=0 for times without the waits they overlap)"
+               if pdl_launch(torch.device("cuda", torch.cuda.current_device())) else "")
+    lines = [f"{args.model} batch {b}: wall {wall_ms:.3f} ms/step, GPU {gpu_ms:.3f} ms/step in {launches:.0f} launches"
+             + overlap,
              f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel"]
     for e in kernels[: args.rows]:
         per_step = e.self_device_time_total / n
