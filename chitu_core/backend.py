@@ -200,7 +200,7 @@ class Backend(ABC):
 
     def side_queue(self, index: int = 0) -> SideQueue | None:
         """(1.8) Optional: a ``SideQueue`` on device ``index``, where the device runs two queues of work at
-        once (CUDA or HIP streams); layers then run independent work side by side (a mixture-of-experts layer's
+        once; layers then run independent work side by side (a mixture-of-experts layer's
         shared experts beside its routed ones). One object serves the whole model. Default: None, every
         piece of work queued in order."""
         return None

@@ -5,7 +5,8 @@ queue are not the main queue's (two split-K kernels on two streams must never sh
 import torch
 
 from chitu_core.backend import SideQueue
-from chitu_core.kernels.triton.split_k import QUEUE, split_counters
+from chitu_core.kernels.triton.backend import QUEUE
+from chitu_core.kernels.triton.split_k import split_counters
 from chitu_cpu.backend import CpuBackend
 from test_moe_models import PROMPTS, build_moe, greedy, load
 

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import as_rows, pow2
-from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 
 SQRT_HALF = tl.constexpr(0.7071067811865476)
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -18,8 +18,7 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 @triton.jit
 def _act_and_mul_kernel(out_ptr, x_ptr, inter, stride_row, stride_col, BLOCK: tl.constexpr, ACT: tl.constexpr,
                         PDL: tl.constexpr):
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

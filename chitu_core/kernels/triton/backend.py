@@ -21,6 +21,7 @@ whatever device is there): the documented emulation mode the Hygon and MetaX plu
 import importlib.util
 import os
 from collections.abc import Callable
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,10 @@ KV_CACHE_MARGIN = 1 << 30
 """Kept back besides: activations of the largest step, BLAS workspaces, split-KV partials, the
 allocator's fragmentation."""
 EMULATE_ENV = "CHITU_EMULATE"
+QUEUE: ContextVar[int] = ContextVar("chitu_work_queue", default=0)
+"""Which of the device's work queues launches are being queued on: 0 the main one, 1 the side queue
+(``StreamSideQueue`` sets it while its work is queued). Per-queue workspaces key on it (the split-K
+counters, ``split_k.split_counters``), so kernels on the two queues never share one."""
 
 
 def triton_installed() -> bool:
@@ -184,8 +189,6 @@ class StreamSideQueue(SideQueue):
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        from chitu_core.kernels.triton.split_k import QUEUE  # split-K counters of this queue's own
-
         token = QUEUE.set(1)
         try:
             with torch.cuda.stream(self.stream):

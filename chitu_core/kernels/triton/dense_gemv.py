@@ -8,7 +8,7 @@ and multiplies it elementwise into a float32 tile of partial sums, reduced once 
 next tile's load is issued before this one is used. Split-K as ``gemv.int4_gemv`` does it
 (``split_k.finish_split``: the last slice to finish adds the slices in order, deterministic).
 
-Programmatic dependent launch (``pdl``): the first weight tile is loaded before ``gdc_wait``, so the
+Programmatic dependent launch (``pdl``): the first weight tile is loaded before ``gdc_enter`` waits, so the
 load overlaps the previous kernel's tail; nothing is read from x or written before the wait.
 """
 
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import num_compute_units
-from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_launch
 from chitu_core.kernels.triton.split_k import finish_split, row_slice, row_split
 
 
@@ -68,8 +68,7 @@ def _dense_gemv_kernel(out, partials, counters, x, w, bias, N, K, k_per_split, s
     rn, n_ok, k_lo, k_hi = row_slice(N, K, k_per_split, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     nxt = _tile(w, k_lo + kk, rn, k_hi, n_ok, stride_wn, stride_wk, K_MAJOR)  # weights: no wait
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     if K_MAJOR:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:

@@ -44,7 +44,7 @@ from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.kv_cache import store_kv, store_target
 from chitu_core.kernels.triton.paged_attention import LOG2E, _find_seq, _reduce_splits_kernel, split_workspace
-from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 
 Tensor = torch.Tensor
 
@@ -67,8 +67,7 @@ TILE_BYTES = 64 << 10
 @triton.jit
 def _write_latent_kernel(cache, latent, slot_mapping, kv_scale, stride_lt, stride_ld, stride_c_blk, stride_c_tok,
                          width, BLOCK_SIZE: tl.constexpr, WIDTH_P: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot >= 0:
@@ -89,8 +88,7 @@ def _mla_attention_kernel(
     HEAD_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // HEAD_BLOCK
     pid = tl.program_id(0)
     seq = _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.moe_align import align
-from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 from chitu_core.kernels.triton.quant_matmul import TORCH_TO_TL, weight_tile
 
 SQRT_HALF = tl.constexpr(0.7071067811865476)
@@ -45,8 +45,7 @@ def _route_kernel(out_weights, out_ids, logits, bias, stride_t, stride_e, stride
                   TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                   GROUPS_P: tl.constexpr, GROUP_P: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                   TOP2_SUM: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, GROUPS_P)
     member = tl.arange(0, GROUP_P)
@@ -232,8 +231,7 @@ def _grouped_gemm_kernel(
 @triton.jit
 def _sum_slots_kernel(out, per_slot, topk_weights, topk_ids, hidden, stride_out, stride_wt, stride_wk,
                       stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -254,8 +252,7 @@ def _slot_gemv_kernel(
 ):
     """out[slot, n] = sum_k a[slot // rows_per_a, k] * W[e, n, k], e the slot's expert, as a matrix-vector
     product in float32 registers; GATED, W and its scales as in ``_grouped_gemm_kernel``."""
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     slot = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids + (slot // TOP_K) * stride_it + (slot % TOP_K) * stride_ik)
     if expert < 0:

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from chitu_core.attention.fp8 import FP8_DTYPE, check_scale
 from chitu_core.kernels.triton.common import pow2
-from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 
 LOG2E = 1.4426950408889634
 
@@ -63,8 +63,7 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -150,8 +149,7 @@ def _attention_kernel(
 def _reduce_splits_kernel(out, part_acc, part_max, part_sum, num_heads, num_splits,
                           HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SPLITS_P: tl.constexpr,
                           PDL: tl.constexpr):
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64) * num_heads + tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
     s_ok = s < num_splits

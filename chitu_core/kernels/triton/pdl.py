@@ -8,6 +8,8 @@ A kernel that opts in takes a ``PDL`` constexpr and
     its predecessor, and a kernel after it would then wait on too little);
   * calls ``gdc_launch_dependents(PDL)`` once it is fine for the next kernel to be scheduled (at once
     after the wait: the next kernel's programs only wait, and only once all of this grid has started);
+    ``gdc_enter(PDL)`` does both, the way every kernel here starts (a matrix-vector kernel first issues
+    its first weight load, which no earlier kernel writes);
   * is launched with ``launch_pdl=True`` where ``pdl_launch(device)`` says the backend allows it and
     the device and Triton support it. Kernels that do not opt in are launched as before and wait for their predecessor whole.
 
@@ -50,6 +52,13 @@ def pdl_launch(device: torch.device) -> bool:
     if target.backend != "cuda" or "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def gdc_enter(PDL: tl.constexpr):
+    """What a kernel that opts in does first: wait for its predecessor, then let its successor be scheduled."""
+    gdc_wait(PDL)
+    gdc_launch_dependents(PDL)
 
 
 @triton.jit

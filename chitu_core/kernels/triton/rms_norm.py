@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import as_rows, pow2
-from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 
 MAX_HIDDEN = 65536  # one row per program, in registers
 
@@ -24,8 +24,7 @@ def _rms_norm_kernel(
     stride_x_row, stride_x_col, stride_r_row, stride_r_col, stride_w, stride_b,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # MODE 0: Llama's RMSNorm, 1: the offset RMSNorm, 2: LayerNorm
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H

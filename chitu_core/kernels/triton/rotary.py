@@ -16,7 +16,7 @@ import triton.language as tl
 
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.kv_cache import check_cache, copy_heads, store_kv, store_target
-from chitu_core.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 
 
 @triton.jit
@@ -64,8 +64,7 @@ def _rotary_kernel(
     DIM_P: tl.constexpr, IS_NEOX: tl.constexpr, WRITE_CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    gdc_wait(PDL)
-    gdc_launch_dependents(PDL)
+    gdc_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t * stride_pos).to(tl.int64)
     i = tl.arange(0, HALF_P)[None, :]

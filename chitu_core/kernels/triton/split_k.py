@@ -9,7 +9,6 @@ the result cast to the output's dtype. Two ways:
 * ``sum_splits``: a second kernel over the partials [S, M, N].
 """
 
-from contextvars import ContextVar
 from functools import cache
 from typing import NamedTuple
 
@@ -17,13 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from chitu_core.kernels.triton.backend import QUEUE
+
 MAX_SPLIT_TILES = 1 << 16
-
-
-QUEUE: ContextVar[int] = ContextVar("chitu_split_k_queue", default=0)
-"""Which of the device's work queues launches are being queued on: 0 the main one, 1 the backend's
-side queue (``StreamSideQueue`` sets it while its work is queued). Each queue has its own counters, so
-split-K kernels on the two never share one."""
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
