@@ -60,8 +60,12 @@ def test_leading_dimensions_and_default_tiles():
 def test_default_tiles_follow_the_layout():
     rows, transposed = dense_gemv_config(64, 2048, True, 132), dense_gemv_config(576, 2048, False, 132)
     assert (rows.block_n, rows.block_k, rows.split_k, rows.num_warps) == (8, 1024, 1, 8)
-    assert (transposed.block_n, transposed.block_k, transposed.split_k) == (64, 128, 8)
+    assert (transposed.block_n, transposed.block_k, transposed.split_k, transposed.num_warps) == (8, 1024, 1, 4)
+    wide = dense_gemv_config(4096, 2048, False, 132)  # about one program a compute unit: 32 columns each
+    assert (wide.block_n, wide.block_k, wide.split_k, wide.num_warps) == (32, 512, 1, 8)
+    assert dense_gemv_config(49152, 576, False, 132).block_n == 64  # at most 64 columns
     assert dense_gemv_config(64, 100, True, 132).block_k == 128  # never wider than K's power of two
+    assert dense_gemv_config(64, 100, False, 132).block_k == 128
 
 
 def test_dependent_launch_waits_for_a_backend_to_allow_it(monkeypatch):

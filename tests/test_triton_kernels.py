@@ -271,7 +271,9 @@ def test_plan_splits_only_underfilled_long_decodes():
     assert plan(8, 2, 1, 4, 601, 16).num_splits == 2  # 8 programs for 32 slots; 601 keys: two ranges of >= 256
     assert plan(32, 8, 1, 1, 4096, 132).num_splits == 16
     assert plan(32, 8, 1, 64, 4096, 132).num_splits == 1  # 512 programs fill 132 units
-    assert plan(32, 8, 1, 1, 300, 132).num_splits == 1  # short context
+    assert plan(32, 8, 1, 2, 300, 132).num_splits == 1  # short contexts of a batch: ranges of >= 256 keys
+    assert plan(32, 8, 1, 1, 300, 132).num_splits == 4  # one sequence alone: ranges of >= 64 keys
+    assert plan(32, 8, 1, 1, 127, 132).num_splits == 1  # fewer than two ranges of 64
     assert plan(32, 8, 2, 1, 4096, 132).num_splits == 1  # not a pure decode step
     assert (plan(32, 8, 1, 1, 100, 132).block_m, plan(32, 8, 512, 1, 512, 132).block_m) == (16, 64)
     assert (plan(32, 8, 1, 1, 100, 132).block_n, plan(32, 8, 1, 1, 100, 132, dtype_bytes=4).block_n) == (64, 32)

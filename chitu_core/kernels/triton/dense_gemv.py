@@ -34,18 +34,25 @@ class DenseGemvConfig:
 
 
 def dense_gemv_config(n: int, k: int, k_major: bool, compute_units: int) -> DenseGemvConfig:
-    """Tiles from the sweep on an H100 (plugins/nvidia/scripts/dense_gemv_sweep.py), for outputs of up
-    to 1024: rows of the weight contiguous (routers), 8 columns a program reading 1024 features a
-    step with 8 warps; the transposed storage, 64 columns by 128 features with 4 warps. K is split until
-    there are about four programs per compute unit (two for row-major), each slice at least two tiles
-    deep. There: a 64 x 2048 float32 router 4.4 -> 2.1 us, a 576 x 2048 bf16 projection 5.8 -> 4.4 us
-    against cuBLAS; at wider outputs cuBLAS was as fast or faster."""
-    block_n, block_k, warps, per_unit = (8, 1024, 8, 2) if k_major else (64, 128, 4, 4)
-    block_k = min(block_k, triton.next_power_of_2(k))
-    programs = triton.cdiv(n, block_n)
-    steps = triton.cdiv(k, block_k)
-    split = max(1, min(steps // 2, triton.cdiv(per_unit * compute_units, programs)))
-    return DenseGemvConfig(block_n, block_k, split, num_warps=warps)
+    """Tiles from the sweeps on an H100 (plugins/nvidia/scripts/dense_gemv_sweep.py).
+
+    Rows of the weight contiguous (routers): 8 columns a program reading 1024 features a step with 8 warps,
+    K split until there are about two programs per compute unit, each slice at least two tiles deep (a
+    64 x 2048 float32 router 4.4 -> 2.1 us against cuBLAS).
+
+    The transposed storage: no split, and narrow, deep tiles, so that every program has its whole share of
+    the weight in flight at once: about one program per compute unit (block_n the power of two of
+    N / units, 8 to 64 columns), up to 1024 features a step, 2048 elements a warp. There (SmolLM2-135M,
+    Qwen3-1.7B shapes): 960 x 576 2.0 us, 576 x 1536 2.4 us, 4096 x 2048 8.1 us, against cuBLAS's 3.6, 5.0
+    and 9.2 us."""
+    if k_major:
+        block_n, block_k, warps = 8, min(1024, triton.next_power_of_2(k)), 8
+        programs, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+        split = max(1, min(steps // 2, triton.cdiv(2 * compute_units, programs)))
+        return DenseGemvConfig(block_n, block_k, split, num_warps=warps)
+    block_n = min(64, max(8, triton.next_power_of_2(triton.cdiv(n, compute_units))))
+    block_k = min(1024, 16384 // block_n, triton.next_power_of_2(k))
+    return DenseGemvConfig(block_n, block_k, 1, num_warps=min(8, max(2, block_n * block_k // 2048)))
 
 
 @triton.jit

@@ -24,6 +24,7 @@ scale is folded into the softmax scale and its value scale into the accumulator
 after the loop, so the tiles are never multiplied element by element.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,13 @@ from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 
 LOG2E = 1.4426950408889634
+MIN_SPLIT_KEYS = 256
+"""Fewest keys a key range of a batch's sequences gets: below that the reduction costs more than the
+parallelism gains."""
+MIN_SPLIT_KEYS_ALONE = int(os.environ.get("CHITU_SPLIT_KEYS_ALONE", 64))
+"""Fewest keys a range gets when one sequence decodes alone (one 16 KB key tile of 128 16-bit channels):
+its few (kv head) programs would otherwise walk the whole context each, one tile after another.
+CHITU_SPLIT_KEYS_ALONE sets another (256: as batches)."""
 
 
 @triton.jit
@@ -196,9 +204,10 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
     K and V tiles must fit in shared memory), and query blocks of at most 32 rows when a row
     takes more than 512 bytes (head_dim 256 in float32). Split
     the keys only in pure decode steps whose (sequence, kv head) programs would leave the device
-    under-filled (fewer than 2 per compute unit) and whose contexts are long (>= 512 keys), into at
-    most 16 ranges of at least 256 keys. ``num_splits`` forces a count (tests, tuning); ``tiles`` is
-    the device's configuration (the defaults: 16 KB key tiles, 4 or 8 warps of 32 threads)."""
+    under-filled (fewer than 2 per compute unit) and whose contexts are long (at least two ranges),
+    into at most 16 ranges of at least ``MIN_SPLIT_KEYS`` keys (``MIN_SPLIT_KEYS_ALONE`` for a batch
+    of one). ``num_splits`` forces a count (tests, tuning); ``tiles`` is the device's configuration
+    (the defaults: 16 KB key tiles, 4 or 8 warps of 32 threads)."""
     group_p = pow2(num_heads // num_kv_heads)
     small = max_query_len * group_p <= 16
     row_bytes = pow2(head_dim, at_least=16) * dtype_bytes
@@ -207,8 +216,9 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
     if num_splits is None:
         num_splits = 1
         programs, target = num_seqs * num_kv_heads, 2 * num_compute_units
-        if max_query_len == 1 and programs < target and max_seq_len >= 512:
-            num_splits = max(1, min(16, -(-target // programs), max_seq_len // 256))
+        least = MIN_SPLIT_KEYS_ALONE if num_seqs == 1 else MIN_SPLIT_KEYS
+        if max_query_len == 1 and programs < target and max_seq_len >= 2 * least:
+            num_splits = max(1, min(16, -(-target // programs), max_seq_len // least))
     return AttentionPlan(block_m, block_n, num_splits, tiles.warps if block_m <= 64 else tiles.wide_warps,
                          tiles.decode_stages if small else None)
 

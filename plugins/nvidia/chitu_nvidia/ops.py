@@ -1,7 +1,7 @@
 """The NVIDIA backend's ops over the portable Triton ones (``TritonBackend.native_ops``).
 
 linear goes to cuBLAS, or to cuBLASLt for the batch sizes where its kernels are faster, or at batch 1
-with a narrow output (up to ``dense_gemv.MAX_N``) to the Triton matrix-vector kernel. Before
+with an output of up to ``MAX_GEMV_N`` to the Triton matrix-vector kernel. Before
 Ada/Hopper (compute capability 8.9) there are no FP8 types, so the FP8 linears and experts decode the
 bytes in registers. Sampling filters and penalties stay reference fallbacks until on-device sampling
 kernels land.
@@ -19,16 +19,19 @@ decode shapes (scripts/gemm_layouts.py rows), cuBLASLt is as fast or faster for 
 (at 64: gate_up 59.5 -> 56.8 us, down 34.9 -> 31.3 us) and slower at 16 (down) and at 128
 (down, LM head); elsewhere they tie. Graph capture records the choice, so replays pay nothing."""
 
-MAX_GEMV_N = int(os.environ.get("CHITU_GEMV_MAX_N", 1024))
+MAX_GEMV_N = int(os.environ.get("CHITU_GEMV_MAX_N", 4096))
 """Widest output ``linear`` sends to the Triton matrix-vector kernel at batch 1 (``dense_gemv_config``);
-CHITU_GEMV_MAX_N sets another (to compare)."""
+CHITU_GEMV_MAX_N sets another (to compare). On an H100 (plugins/nvidia/scripts/dense_gemv_sweep.py,
+SEARCH=0) the kernel beat cuBLAS on every bf16 decode shape of SmolLM2-135M, Qwen3-1.7B, Llama-3.1-8B,
+Qwen3-30B-A3B and DeepSeek-V2-Lite up to 4096 outputs (Llama-3.1-8B down 52.6 -> 45.7 us, SmolLM2's
+576 x 576 3.6 -> 1.7 us); wider (5632, the LM heads, 28672) cuBLAS was faster or tied."""
 _dense_gemv: Callable | None = None  # bound by nvidia_ops(), which runs only where triton is installed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
     if rows == 1 and weight.shape[0] <= MAX_GEMV_N and x.dtype == weight.dtype and _dense_gemv is not None:
-        return _dense_gemv(x, weight, bias)  # narrow outputs at batch 1: routers, the latent projection
+        return _dense_gemv(x, weight, bias)  # batch 1: every projection but the widest and the LM head
     if not LT_ROWS[0] <= rows <= LT_ROWS[1]:
         return F.linear(x, weight, bias)
     before = torch.backends.cuda.preferred_blas_library()

@@ -8,10 +8,13 @@ rotated through enough copies to exceed the L2 cache and replayed from a CUDA gr
 (``quant_kernels.timed``). A chain of dependent calls checks that dependent launches wait for their
 inputs (same bits as without). A table last.
 
-    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/dense_gemv_sweep.py
+    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/dense_gemv_sweep.py [NAME_PART ...]
+
+SEARCH=0: the default tiles against cuBLAS only, no search of tiles.
 """
 
 import itertools
+import os
 import sys
 
 import torch
@@ -36,6 +39,11 @@ SHAPES = {  # name: (N, K, dtype, stored transposed)
     "qwen3moe router": (128, 2048, BF16, False),
     "llama8b qkv": (6144, 4096, BF16, True), "llama8b o_proj": (4096, 4096, BF16, True),
     "llama8b gate_up": (28672, 4096, BF16, True), "llama8b down": (4096, 14336, BF16, True),
+    "smollm qkv": (960, 576, BF16, True), "smollm o_proj": (576, 576, BF16, True),
+    "smollm gate_up": (3072, 576, BF16, True), "smollm down": (576, 1536, BF16, True),
+    "smollm lm_head": (49152, 576, BF16, True),
+    "qwen3-1.7b qkv": (4096, 2048, BF16, True), "qwen3-1.7b o_proj": (2048, 2048, BF16, True),
+    "qwen3-1.7b down": (2048, 6144, BF16, True),
 }
 
 
@@ -45,13 +53,21 @@ def weight(n, k, dtype, transposed):
 
 
 def configs(n, k, transposed, units):
-    out = []
-    tiles = ((64, 64), (128, 32), (128, 64), (256, 32), (64, 128)) if transposed else \
-        ((8, 512), (16, 256), (16, 512), (32, 256), (8, 1024))
-    for (bn, bk), per_unit, warps in itertools.product(tiles, (2, 4, 8), (4, 8)):
+    if not transposed:
+        out = []
+        for (bn, bk), per_unit, warps in itertools.product(((8, 512), (16, 256), (16, 512), (32, 256), (8, 1024)),
+                                                           (2, 4, 8), (4, 8)):
+            split = max(1, min(triton.cdiv(k, bk) // 2, triton.cdiv(per_unit * units, triton.cdiv(n, bn))))
+            out.append(DenseGemvConfig(bn, bk, split, warps))
+        return out
+    out = []  # narrow, deep tiles without a split (the default's family), and the split-K ones it replaced
+    for bn, bk, warps in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8)):
+        if bn * bk <= 32768:
+            out.append(DenseGemvConfig(bn, bk, 1, warps))
+    for (bn, bk), per_unit in itertools.product(((64, 128), (128, 64), (64, 256)), (2, 4)):
         split = max(1, min(triton.cdiv(k, bk) // 2, triton.cdiv(per_unit * units, triton.cdiv(n, bn))))
-        out.append(DenseGemvConfig(bn, bk, split, warps))
-    return out
+        out.append(DenseGemvConfig(bn, bk, split, 4))
+    return sorted(set(out), key=str)
 
 
 def chain_check() -> str:
@@ -103,8 +119,10 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name()}, {units} units, copy bandwidth {bw / 1e9:.0f} GB/s, "
           f"triton {triton.__version__}, dependent launch {pdl_launch(DEV)}", flush=True)
     print("chain:", chain_check(), flush=True)
-    rows = []
+    rows, only = [], sys.argv[1:]  # names containing any of these (default: all, and the MLA rows)
     for name, (n, k, dtype, transposed) in SHAPES.items():
+        if only and not any(o in name for o in only):
+            continue
         nbytes = n * k * dtype.itemsize
         x = torch.randn(1, k, device=DEV, dtype=dtype)
         sets = copies(lambda i: (weight(n, k, dtype, transposed),), nbytes)
@@ -119,15 +137,16 @@ def main() -> int:
             run, calls = rotated(lambda w: dense_gemv(x, w, None, default, pdl), sets)
             add(f"ours default{' pdl' if pdl else ''}", default, timed(run, repeats=7, calls=1) / calls,
                 dense_gemv(x, sets[0][0], None, default, pdl))
-        best = None
-        for cfg in configs(n, k, transposed, units):
+        timings = []
+        for cfg in configs(n, k, transposed, units) if os.environ.get("SEARCH", "1") != "0" else ():
             run, calls = rotated(lambda w: dense_gemv(x, w, None, cfg, True), sets)
-            us = timed(run, repeats=5, calls=1) / calls
-            best = min(best or (us, cfg), (us, cfg), key=lambda t: t[0])
-        add("ours best pdl", best[1], best[0], dense_gemv(x, sets[0][0], None, best[1], True))
-        print(rows[-4:], flush=True)
+            timings.append((timed(run, repeats=5, calls=1) / calls, cfg))
+        for rank, (us, cfg) in enumerate(sorted(timings, key=lambda t: t[0])[:3]):
+            add(f"ours #{rank + 1} pdl", cfg, us, dense_gemv(x, sets[0][0], None, cfg, True) if rank == 0 else None)
+        print(rows[-6:], flush=True)
         del sets
-    rows += mla_rows(units)
+    if not only:
+        rows += mla_rows(units)
     print_table(rows, "")
     return 0
 

@@ -14,7 +14,8 @@
 # the Llama-3.1-8B config against bf16), quantbench (Llama-3.1-8B config, dummy weights, QUANT_BENCH "method:batch ..."
 # with method bf16, fp8, int8 or int4), emulate (the Hygon and MetaX backends in emulation, CHITU_EMULATE: their
 # conformance suites in parts side by side, merged; EMULATED names them), emulatebench (their greedy tokens against
-# this backend's: emulation_check.py; Llama-3.1-8B config, dummy weights, batch 1 and 64 on this backend and each).
+# this backend's: emulation_check.py; Llama-3.1-8B config, dummy weights, batch 1 and 64 on this backend and each),
+# longctx (Qwen3-1.7B config, dummy bf16 weights, LONGCTX "batch:input:output ...": long contexts at small batch).
 # Commit what $OUT holds under docs/benchmarks/<machine>/ and make the page from it:
 #   python -m chitu_core.bench report docs/benchmarks/<machine> > docs/benchmarks/<machine>.md
 set -uo pipefail
@@ -117,6 +118,12 @@ PY
                done
              done
              unset CHITU_EMULATE ;;
+    longctx) [ -d /tmp/qwen3-1.7b ] || python3 -m chitu_core.bench random-model --like qwen3-1.7b --config-only --out /tmp/qwen3-1.7b
+             for spec in ${LONGCTX:-4:8000:256 4:32000:256 128:448:128}; do  # batch:input:output, dummy bf16 weights
+               IFS=: read -r b i o <<< "$spec"
+               PEER=none bench qwen3-1.7b-b$b-i$i --model /tmp/qwen3-1.7b --load-format dummy --dtype bfloat16 \
+                 --batch-size $b --input-len $i --output-len $o --warmup 1
+             done ;;
     quant) python3 -m chitu_core.conformance --backend nvidia --ops '*_linear,quant/*' --dtypes bfloat16,float16,float32 \
              --format md --quiet > "$OUT/conformance-quant.md"; tail -14 "$OUT/conformance-quant.md"
            OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/quant_check.py" /tmp/llama8b-config || echo "quant_check failed: $?" ;;
