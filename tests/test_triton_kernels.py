@@ -94,6 +94,25 @@ def test_rms_norms():
             check_op("layer_norm", (shifted, weight, None, 1e-5), {}, dtype)
 
 
+def test_norms_read_a_head_slice_of_a_fused_projection_in_place():
+    """The q/k norms' input: heads of a fused qkv output, [T, heads, D] with the row stride of the whole
+    projection. No 2-D view of it exists; the norm reads it through a 3-D one, not a copy."""
+    from chitu_core.kernels.triton.common import as_row_grid
+
+    t, hq, hk, d = 5, 4, 2, 24
+    qkv = randn(t, (hq + 2 * hk) * d, dtype=DTYPE, scale=3.0)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hk, d)
+    for part in (q, k):
+        grid = as_row_grid(part)
+        assert grid.data_ptr() == part.data_ptr() and grid.shape == (t, part.shape[1], d)
+        weight = randn(d, dtype=DTYPE) + 1.0
+        check_op("rms_norm", (part, weight, 1e-6), {}, DTYPE)
+        check_op("offset_rms_norm", (part, weight - 1.0, 1e-6), {}, DTYPE)
+        check_op("fused_add_rms_norm", (part, randn(t, part.shape[1], d, dtype=DTYPE), weight, 1e-6), {}, DTYPE)
+    assert as_row_grid(qkv).shape == (t, 1, qkv.shape[1])  # a 2-D view where one exists
+
+
 def test_greedy_sample_takes_the_first_maximum_across_chunks():
     """Rows longer than a chunk, maxima tied within and across chunks, strided and transposed
     logits, a NaN: the same indices as torch's argmax."""

@@ -19,6 +19,23 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1])
 
 
+def as_row_grid(x: torch.Tensor) -> torch.Tensor:
+    """x [..., H] as a 3-D [A, B, H] view with any strides, its A * B rows in x's order: a 2-D view where
+    one exists (B = 1), else [..., B, H] with the leading dimensions merged (a per-head slice of a fused
+    projection's output, [T, heads, D], needs no copy), or a contiguous copy where neither exists."""
+    h = x.shape[-1]
+    try:
+        return x.view(-1, 1, h)
+    except RuntimeError:
+        pass
+    if x.dim() >= 3:
+        try:
+            return x.view(-1, x.shape[-2], h)
+        except RuntimeError:
+            pass
+    return x.reshape(-1, 1, h)
+
+
 @cache
 def num_compute_units(device: torch.device) -> int:
     """Multiprocessors (or the device's equivalent) of ``device``; 64 where torch does not say (the

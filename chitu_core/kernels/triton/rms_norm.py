@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chitu_core.kernels.triton.common import as_rows, pow2
+from chitu_core.kernels.triton.common import as_row_grid, pow2
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 
 MAX_HIDDEN = 65536  # one row per program, in registers
@@ -20,17 +20,19 @@ MAX_HIDDEN = 65536  # one row per program, in registers
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr, sum_ptr, x_ptr, res_ptr, w_ptr, b_ptr, H, eps,
-    stride_x_row, stride_x_col, stride_r_row, stride_r_col, stride_w, stride_b,
+    out_ptr, sum_ptr, x_ptr, res_ptr, w_ptr, b_ptr, H, eps, x_inner, r_inner,
+    stride_x_outer, stride_x_row, stride_x_col, stride_r_outer, stride_r_row, stride_r_col, stride_w, stride_b,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-):  # MODE 0: Llama's RMSNorm, 1: the offset RMSNorm, 2: LayerNorm
+):  # MODE 0: Llama's RMSNorm, 1: the offset RMSNorm, 2: LayerNorm. x, residual: [outer, inner, H] views.
     gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    x = tl.load(x_ptr + row * stride_x_row + cols * stride_x_col, mask=mask, other=0.0)
+    x_at = (row // x_inner) * stride_x_outer + (row % x_inner) * stride_x_row
+    x = tl.load(x_ptr + x_at + cols * stride_x_col, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r_row + cols * stride_r_col, mask=mask, other=0.0)
+        r_at = (row // r_inner) * stride_r_outer + (row % r_inner) * stride_r_row
+        r = tl.load(res_ptr + r_at + cols * stride_r_col, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * H + cols, x, mask=mask)
     xf = x.to(tl.float32)
@@ -56,14 +58,14 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         raise ValueError(f"rms_norm: hidden size {hidden} is over this kernel's {MAX_HIDDEN}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else out
-    rows = as_rows(x)
-    res = as_rows(residual) if residual is not None else rows
-    if rows.shape[0]:
+    rows = as_row_grid(x)  # a per-head slice of a fused projection ([T, heads, D], the q/k norms) is read in place
+    res = as_row_grid(residual) if residual is not None else rows
+    if out.numel():
         block = pow2(hidden)
         b = weight if bias is None else bias
-        _rms_norm_kernel[(rows.shape[0],)](
-            out, total, rows, res, weight, b, hidden, eps,
-            rows.stride(0), rows.stride(1), res.stride(0), res.stride(1), weight.stride(0), b.stride(0),
+        _rms_norm_kernel[(out.numel() // hidden,)](
+            out, total, rows, res, weight, b, hidden, eps, rows.shape[1], res.shape[1],
+            *rows.stride(), *res.stride(), weight.stride(0), b.stride(0),
             BLOCK=block, HAS_RESIDUAL=residual is not None, MODE=mode, HAS_BIAS=bias is not None,
             num_warps=min(16, max(1, block // 512)), **pdl_options(x.device),
         )
