@@ -6,7 +6,8 @@ from ``bench serve --json``, ``gpu_check.json`` (model against transformers, dec
 ``conformance.md`` (and ``conformance-<name>.md``, other backends' or parts') from ``python -m
 chitu_core.conformance --format md``, included as they are, ``emulation.json`` (emulation_check.py), and
 ``MADE_BY``, one line naming the script that made them (default: the GPU scripts), and ``agree.txt``
-from ``bench agree`` (``agree-unpacked.txt`` from ``bench agree --unpacked``), included verbatim. Every
+from ``bench agree`` (``agree-unpacked.txt`` from ``bench agree --unpacked``), included verbatim, and
+``breakdown-*.json`` from ``bench profile --json`` (a decode step by module). Every
 number on the page comes from those files; docs commit the page and the files together.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from chitu_core.bench.report_backends import emulation_table, emulation_tokens_lines
-from chitu_core.bench.report_kernels import attention_sweep_lines
+from chitu_core.bench.report_kernels import attention_sweep_lines, breakdown_lines
 from chitu_core.bench.report_scaleout import allreduce_lines, cpu_experts_lines, scaling_table, tokens_line
 
 
@@ -201,6 +202,12 @@ def render(directory: Path) -> str:
                       "tokens a prompt, equal or parting at a near-tie (docs/writing-a-model.md: float32's top-2 gap within 2 bf16 "
                       "ulps or 3 sigmas of transformers-bf16's error, or transformers-bf16 ranks them otherwise too; older files "
                       "hold the ulps alone); one prompt alone against inside a batch of 16.", "", *models_check_lines(r), ""]
+    for name, r in loaded.items():
+        if name.startswith("breakdown") and "rows" in r:
+            lines += [f"## Decode step by module (`{name}.json`, `python -m chitu_core.bench profile`)", "",
+                      "Eager decode steps under torch.profiler: each module's own kernel time (its nested modules' "
+                      "taken out), its share of the step, the bytes it must read a step and the bandwidth that makes.",
+                      "", *breakdown_lines(r), ""]
     if check and profile_lines(check):
         lines += ["## Decode profile (torch.profiler, graphs replayed)", "", *profile_lines(check), ""]
     for name, r in loaded.items():
