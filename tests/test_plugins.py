@@ -12,8 +12,6 @@ directory outside the checkout, in one of these environments:
 The fixture distributions (names and messages below) are installed once per session.
 """
 
-import ast
-import io
 import json
 import os
 import re
@@ -21,7 +19,6 @@ import shutil
 import site
 import subprocess
 import sys
-import tokenize
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -447,41 +444,6 @@ def test_unknown_backend_names_the_package_to_install(monkeypatch, fixture_probe
                    f"{', '.join(sorted(['absent', 'broken', 'cpu', 'fast', 'future', *OTHER_BACKENDS]))}); install the "
                    "distribution that provides it (this project's own backends are published as chitu-<name>)",
     }
-
-
-# --- 10: no device names in the core ------------------------------------------------------------
-
-DEVICE_WORDS = re.compile(r"cuda|nccl|hccl|(?<![a-z])npu", re.IGNORECASE)  # "input" is no NPU
-
-
-def device_words(source: str) -> list[tuple[int, str]]:
-    """(line, token) of every token naming a device stack, comments and docstrings excepted."""
-    docstrings = {
-        (node.body[0].lineno, node.body[0].col_offset)
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.body and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str)
-    }
-    return [
-        (tok.start[0], tok.string)
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-        if tok.type != tokenize.COMMENT and not (tok.type == tokenize.STRING and tok.start in docstrings)
-        and DEVICE_WORDS.search(tok.string)
-    ]
-
-
-def test_device_word_scanner_skips_only_comments_and_docstrings():
-    source = '"""CUDA graphs."""\ndef f(inputs):  # nccl\n    """On NPU."""\n    return "cuda", torch_npu, inputs\n'
-    assert device_words(source) == [(4, '"cuda"'), (4, "torch_npu")]
-
-
-def test_core_names_no_device():
-    kernels = REPO / "chitu_core" / "kernels"  # portable device kernels, which the core never calls
-    files = sorted(p for p in (REPO / "chitu_core").rglob("*.py") if kernels not in p.parents)
-    assert REPO / "chitu_core" / "backend.py" in files and len(files) > 20
-    found = [f"{p.relative_to(REPO)}:{line}: {tok}" for p in files for line, tok in device_words(p.read_text())]
-    assert found == [], "device names in chitu_core (ask the backend instead):\n" + "\n".join(found)
 
 
 # --- misbehaving plugins ----------------------------------------------------------------------
