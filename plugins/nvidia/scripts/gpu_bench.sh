@@ -16,7 +16,8 @@
 # conformance suites in parts side by side, merged; EMULATED names them), emulatebench (their greedy tokens against
 # this backend's: emulation_check.py; Llama-3.1-8B config, dummy weights, batch 1 and 64 on this backend and each),
 # longctx (Qwen3-1.7B config, dummy bf16 weights, LONGCTX "batch:input:output ...": long contexts at small batch),
-# breakdown (bench profile, a decode step by module: BREAKDOWN "config:batch[:input] ...", dummy bf16 weights).
+# breakdown (bench profile, a decode step by module: BREAKDOWN "config:batch[:input] ...", dummy bf16 weights; under
+# CHITU_PDL=0, since a kernel launched dependent counts the wait it overlaps as its own time).
 # Commit what $OUT holds under docs/benchmarks/<machine>/ and make the page from it:
 #   python -m chitu_core.bench report docs/benchmarks/<machine> > docs/benchmarks/<machine>.md
 set -uo pipefail
@@ -128,7 +129,7 @@ PY
     breakdown) for spec in ${BREAKDOWN:-smollm2-135m:1 llama-3.1-8b:1 llama-3.1-8b:64}; do  # config:batch[:input]
                IFS=: read -r name b i <<< "$spec"
                [ -d /tmp/$name-config ] || python3 -m chitu_core.bench random-model --like $name --config-only --out /tmp/$name-config
-               python3 -m chitu_core.bench profile --model /tmp/$name-config --load-format dummy --dtype bfloat16 \
+               CHITU_PDL=0 python3 -m chitu_core.bench profile --model /tmp/$name-config --load-format dummy --dtype bfloat16 \
                  --batch-size $b --input-len ${i:-128} --json > "$OUT/breakdown-$name-b$b.json" 2> "$OUT/breakdown-$name-b$b.err" \
                  || tail -5 "$OUT/breakdown-$name-b$b.err"
              done ;;
