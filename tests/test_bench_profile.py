@@ -38,6 +38,7 @@ def test_rows_have_the_modules_bytes(result):
     contexts = BATCH * sum(INPUT + 1 + WARMUP + s for s in range(STEPS)) / STEPS
     assert rows["model.layers.*.self_attn.attn"]["bytes"] == round(layers * 2 * kv_heads * head_dim * 4 * contexts)
     assert rows["model.embed_tokens"]["bytes"] == BATCH * hidden * 4  # the tokens' rows, not the table
+    assert rows["lm_head"]["bytes"] == c["vocab_size"] * hidden * 4  # the head reads its whole table
     assert rows["lm_head"]["calls"] == 1 and rows["model.norm"]["calls"] == 1
     assert result["time"] == "host" and result["batch"] == BATCH and result["steps"] == STEPS
     assert sum(r["us"] for r in result["rows"]) + result["other_us"] == pytest.approx(result["step_us"], rel=1e-3)

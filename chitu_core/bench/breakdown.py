@@ -29,7 +29,7 @@ from chitu_core.bench.offline import random_prompts
 from chitu_core.bench.report_kernels import breakdown_lines
 from chitu_core.engine.llm import LLM
 from chitu_core.layers.attention import Attention
-from chitu_core.layers.embedding import VocabEmbedding
+from chitu_core.layers.embedding import LMHead, VocabEmbedding
 from chitu_core.layers.mla import MultiHeadLatentAttention
 from chitu_core.layers.moe import FusedMoE
 from chitu_core.layers.stage import Absent
@@ -140,8 +140,8 @@ def breakdown(llm: LLM, batch: int, input_len: int, steps: int, warmup_steps: in
         g["us"] += sum(times) / steps
         if isinstance(m, FusedMoE) or g["bytes"] is None:
             g["bytes"] = None  # the routed experts' bytes depend on the routing
-        elif isinstance(m, VocabEmbedding):
-            g["bytes"] += round(len(times) / steps * own_bytes(m) / m.weight.shape[0] * batch)  # the tokens' rows
+        elif isinstance(m, VocabEmbedding) and not isinstance(m, LMHead):  # a lookup, not the head's product
+            g["bytes"] += round(len(times) / steps * own_bytes(m) / m.shard * batch)  # the tokens' rows
         else:
             reads = len(times) / steps
             g["bytes"] += round(reads * own_bytes(m) + (kv_per_token * contexts / steps if isinstance(m, KV_SITES) else 0))
