@@ -7,12 +7,12 @@ experts) or reads the KV cache (attention), is a named range while it runs. A si
 device kernels launched inside its range, less those of the sites nested in it; on a backend without
 device kernels (the CPU), the host time inside the range, likewise. The sites of every layer add up
 under one name (``model.layers.*.mlp.down_proj``). Each row: calls and microseconds a step, the share
-of the step's kernel (or host) time, the bytes the site must read a step (its weights; attention: the
-KV its layer holds for the step's contexts; the input embedding: the rows of the step's tokens; routed
-experts: not known without routing, left out) and
-the bandwidth that makes. ``other`` is the time launched outside every site (sampling, the step's
-inputs). Eager kernels take as long as replayed ones; the gaps between them do not show here
-(``bench offline`` gives the step's wall time).
+of the step's kernel (or host) time, the bytes the site must read a step and the bandwidth that makes.
+The bytes are its weights; for attention, the KV its layer holds for the step's contexts; for the input
+embedding, the rows of the step's tokens; for routed experts, not known without the routing (left out).
+``other_us`` is the time launched outside every site (sampling, the step's inputs). Eager kernels take
+as long as replayed ones; the gaps between them do not show here (``bench offline`` gives the step's
+wall time).
 """
 
 import argparse
