@@ -255,6 +255,20 @@ def test_split_kv_decode(num_splits):
     check_step(attn, cache, tables, contexts, [1] * 4, written, scale)
 
 
+def test_one_sequence_alone_splits_its_keys_by_the_plan():
+    """A sequence decoding alone: the plan itself (nothing forced) splits 300 keys into ranges of at least
+    64 (MIN_SPLIT_KEYS_ALONE), and the split step matches dense float64 attention."""
+    hq, hk, d, block_size = 8, 2, 64, 16
+    scale = 1 / math.sqrt(d)
+    contexts = [300]
+    tables, num_blocks = allocate_blocks([c + 1 for c in contexts], block_size, spare=2)
+    attn = make_attention(hq, hk, d, block_size)
+    cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+    written = fill_contexts(attn, cache, tables, contexts, scale)
+    assert attn.prepare(metadata(tables, contexts, [1], block_size)).plan.num_splits == 4  # 301 keys // 64
+    check_step(attn, cache, tables, contexts, [1], written, scale)
+
+
 @pytest.mark.parametrize("softcap,window,num_splits", [(2.0, None, None), (None, 8, None), (1.5, 16, None),
                                                        (1.5, 16, 3)])
 def test_paged_attention_variants(softcap, window, num_splits):

@@ -79,11 +79,13 @@ PLANS = [
     Plan("long chunked", 8, 2, 128, ((2047, 64), (0, 3))),
     Plan("padded mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), padding=3),
     Plan("padded prefill", 4, 4, 64, ((0, 17), (0, 16)), layout="contiguous", padding=1),
+    Plan("decode alone", 8, 2, 128, ((300, 1),)),  # one sequence: a backend may split its keys finely
 ]
 VARIANT_PLANS = [  # at the default block size only
     Plan("mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), softcap=2.0),
     Plan("mixed", 8, 2, 64, ((0, 23), (1, 1), (40, 9), (16, 16), (5, 1)), window=8),
     Plan("decode", 4, 1, 128, ((33, 1), (130, 1), (2, 1)), window=32),
+    Plan("decode alone", 4, 1, 128, ((130, 1),), window=32),  # one sequence's fast paths keep the window
     Plan("padded mixed", 4, 2, 64, ((0, 19), (20, 1), (37, 5)), softcap=1.5, window=16, padding=2),
 ]
 SWEEP = Plan("mixed", 4, 2, 64, ((0, 11), (20, 1), (37, 5)))  # run at every other block size a backend declares
