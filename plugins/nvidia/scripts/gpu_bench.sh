@@ -18,6 +18,7 @@
 # longctx (Qwen3-1.7B config, dummy bf16 weights, LONGCTX "batch:input:output ...": long contexts at small batch),
 # breakdown (bench profile, a decode step by module: BREAKDOWN "config:batch[:input] ...", dummy bf16 weights; under
 # CHITU_PDL=0, since a kernel launched dependent counts the wait it overlaps as its own time).
+# PACK=1 leaves one archive, results.tgz, in $OUT instead of the files.
 # Commit what $OUT holds under docs/benchmarks/<machine>/ and make the page from it:
 #   python -m chitu_core.bench report docs/benchmarks/<machine> > docs/benchmarks/<machine>.md
 set -uo pipefail
@@ -149,3 +150,6 @@ PY
              done ;;
   esac
 done
+if [ "${PACK:-0}" = 1 ]; then  # one archive instead of the files: the device tool brings back only a few files
+  (cd "$OUT" && tar czf /tmp/results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)
+fi
