@@ -26,6 +26,7 @@ CASES = [  # n, k, config (block_n, block_k, split_k), or None for the default t
     (70, 300, DenseGemvConfig(16, 64, 3)),  # ragged N and K, three slices
     (96, 1024, DenseGemvConfig(32, 128, 4)),
     (40, 512, None),
+    (70, 300, None),  # the default tiles on ragged N and K: one deep tile a program, masked past K
 ]
 
 
