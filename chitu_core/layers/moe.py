@@ -229,12 +229,12 @@ class FusedMoE(nn.Module):
         if self.expert_parallel:  # slots routed to another rank's experts: -1, which the op skips
             ids = ids - self.first_expert
             ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
-        if beside:
+        if self.host is None:
             out = self.quant_method.apply_experts(self, x, weights, ids, self.activation, self.ops)
-            self.side.join()
-        elif self.host is None:
-            out = self.quant_method.apply_experts(self, x, weights, ids, self.activation, self.ops)
-            extra = shared() if shared is not None else None
+            if beside:
+                self.side.join()
+            elif shared is not None:
+                extra = shared()
         else:  # the copies are queued first, so that the shared experts' work queues behind them
             host = self.host
             inputs = host.to_host(x), host.to_host(weights), host.to_host(ids)

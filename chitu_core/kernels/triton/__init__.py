@@ -18,7 +18,7 @@ One module per kernel family, each a launcher that matches its contract op exact
   int4_linear.py      int4_linear (AWQ/GPTQ/in-situ int4 after repacking): tl.dot tiles for several rows
   gemv.py             int4_linear's matrix-vector kernel for one row (batch-1 decode)
   dense_gemv.py       a 16-bit or float32 linear's matrix-vector kernel for one row (the NVIDIA backend's
-                      linear for narrow outputs at batch 1: routers, MLA's latent projection)
+                      linear at batch 1 for outputs of up to 4096)
   quant_matmul.py     the matmul behind fp8_linear.py and int8_linear.py (8-bit weights, per-channel or
                       block scales, 16-bit or dynamically quantized 8-bit activations: act_quant.py)
   gguf_linear.py      gguf_linear over GGUF's own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)

@@ -43,7 +43,8 @@ from chitu_core.attention.mla import MLAAttentionBackend
 from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.kv_cache import store_kv, store_target
-from chitu_core.kernels.triton.paged_attention import LOG2E, _find_seq, _reduce_splits_kernel, split_workspace
+from chitu_core.kernels.triton.paged_attention import (LOG2E, _find_seq, _reduce_splits_kernel, decode_splits,
+                                                      split_workspace)
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 
 Tensor = torch.Tensor
@@ -182,17 +183,15 @@ def plan(num_heads: int, max_query_len: int, num_seqs: int, max_seq_len: int, nu
     512 + 64 16-bit channels, 16 in float32). Split the keys only in pure decode steps whose
     programs (sequences times head blocks) would leave the device under-filled (fewer than 2 per
     compute unit) and whose contexts are long (>= 2 * MIN_SPLIT_KEYS), into at most MAX_SPLITS
-    ranges of at least MIN_SPLIT_KEYS (MIN_SPLIT_KEYS_ALONE for a batch of one). ``num_splits`` forces a count (tests, tuning)."""
+    ranges of at least MIN_SPLIT_KEYS (MIN_SPLIT_KEYS_ALONE for a batch of one; ``decode_splits``).
+    ``num_splits`` forces a count (tests, tuning)."""
     head_block = min(pow2(num_heads), 32)
     block_m = max(16 if max_query_len == 1 else 32, head_block)
     row_bytes = (pow2(kv_lora_rank, at_least=16) + pow2(rope_dim, at_least=16)) * dtype_bytes
     block_n = max(16, min(64, 1 << (max(1, TILE_BYTES // row_bytes).bit_length() - 1)))  # a power of two
     if num_splits is None:
-        num_splits = 1
-        programs, target = num_seqs * -(-num_heads // head_block), 2 * num_compute_units
-        least = MIN_SPLIT_KEYS_ALONE if num_seqs == 1 else MIN_SPLIT_KEYS
-        if max_query_len == 1 and programs < target and max_seq_len >= 2 * least:
-            num_splits = max(1, min(MAX_SPLITS, -(-target // programs), max_seq_len // least))
+        num_splits = decode_splits(num_seqs * -(-num_heads // head_block), num_compute_units, max_query_len, num_seqs,
+                                   max_seq_len, MIN_SPLIT_KEYS, MIN_SPLIT_KEYS_ALONE, MAX_SPLITS)
     rows_x_lora = block_m * pow2(kv_lora_rank, at_least=16)
     return MLAPlan(head_block, block_m, block_n, num_splits, 4 if rows_x_lora <= 16 * 512 else 8)
 

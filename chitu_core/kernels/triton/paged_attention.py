@@ -45,6 +45,18 @@ its few (kv head) programs would otherwise walk the whole context each, one tile
 CHITU_SPLIT_KEYS_ALONE sets another (256: as batches)."""
 
 
+def decode_splits(programs: int, num_compute_units: int, max_query_len: int, num_seqs: int, max_seq_len: int,
+                  least: int, least_alone: int, most: int) -> int:
+    """Key ranges for a step's attention (regular and latent): one, unless it is a pure decode step whose
+    ``programs`` would leave the device under-filled (fewer than 2 per compute unit) and whose contexts
+    hold two ranges of ``least`` keys (``least_alone`` for a sequence decoding alone); then as many as
+    fill it, at most ``most`` and no range shorter than that bound."""
+    target, keys = 2 * num_compute_units, least_alone if num_seqs == 1 else least
+    if max_query_len != 1 or programs >= target or max_seq_len < 2 * keys:
+        return 1
+    return max(1, min(most, -(-target // programs), max_seq_len // keys))
+
+
 @triton.jit
 def _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence b whose first query block, query_start_loc[b] // BLOCK_Q + b, is <= pid."""
@@ -214,11 +226,8 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
     block_m = max(16 if small else (64 if row_bytes <= 512 else 32), group_p)
     block_n = max(16, min(64, tiles.key_tile_bytes // row_bytes))
     if num_splits is None:
-        num_splits = 1
-        programs, target = num_seqs * num_kv_heads, 2 * num_compute_units
-        least = MIN_SPLIT_KEYS_ALONE if num_seqs == 1 else MIN_SPLIT_KEYS
-        if max_query_len == 1 and programs < target and max_seq_len >= 2 * least:
-            num_splits = max(1, min(16, -(-target // programs), max_seq_len // least))
+        num_splits = decode_splits(num_seqs * num_kv_heads, num_compute_units, max_query_len, num_seqs, max_seq_len,
+                                   MIN_SPLIT_KEYS, MIN_SPLIT_KEYS_ALONE, 16)
     return AttentionPlan(block_m, block_n, num_splits, tiles.warps if block_m <= 64 else tiles.wide_warps,
                          tiles.decode_stages if small else None)
 
