@@ -91,3 +91,40 @@ def test_site_names_of_every_layer_share_a_group():
     assert site_group("model.layers.7.mlp.down_proj") == "model.layers.*.mlp.down_proj"
     assert site_group("model.layers.12.self_attn.attn") == "model.layers.*.self_attn.attn"
     assert site_group("lm_head") == "lm_head"
+
+
+class _Event:
+    """A kineto event as ``attribute_device`` reads it."""
+
+    def __init__(self, name, start, end, device=False, annotation=False):
+        self._args = name, start, end, device, annotation
+
+    def name(self):
+        return self._args[0]
+
+    def start_ns(self):
+        return self._args[1]
+
+    def end_ns(self):
+        return self._args[2]
+
+    def device_type(self):
+        return torch.autograd.DeviceType.CUDA if self._args[3] else torch.autograd.DeviceType.CPU
+
+    def is_user_annotation(self):
+        return self._args[4]
+
+
+def test_device_kernels_go_to_the_innermost_range_that_holds_them():
+    from chitu_core.bench.breakdown import PREFIX, attribute_device
+
+    events = [_Event(PREFIX + "attn", 0, 10_000), _Event(PREFIX + "attn.qkv", 1_000, 4_000),
+              _Event(PREFIX + "mlp", 12_000, 20_000), _Event(PREFIX + "attn", 30_000, 40_000),
+              _Event("triton_kernel_a", 1_500, 3_500, device=True),  # in qkv, nested in attn
+              _Event("triton_kernel_b", 5_000, 8_000, device=True),  # attn's own
+              _Event("gemm", 13_000, 19_000, device=True), _Event("gemm", 31_000, 33_000, device=True),
+              _Event("sample", 25_000, 26_000, device=True),  # outside every site
+              _Event(PREFIX + "mlp", 12_000, 20_000, device=True, annotation=True)]  # a device-side annotation: not a kernel
+    per_site, outside = attribute_device(events)
+    assert dict(per_site) == {"attn": [3.0, 2.0], "attn.qkv": [2.0], "mlp": [6.0]}
+    assert outside == 1.0

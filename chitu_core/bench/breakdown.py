@@ -3,8 +3,9 @@
 The batch of ``bench offline`` (B random prompts of I token ids, greedy, ignore_eos) runs eagerly, since
 module hooks do not fire in replayed graphs, and N decode steps after the first few are profiled with
 torch.profiler. Each *site*, a module that holds weights (linears, norms, embeddings, the LM head,
-experts) or reads the KV cache (attention), is a named range while it runs. A site's time is that of the
-device kernels launched inside its range, less those of the sites nested in it; on a backend without
+experts) or reads the KV cache (attention), is a named range while it runs, the device waited for at
+both ends. A site's time is that of the device kernels that ran inside its range, less those of the
+sites nested in it (``attribute_device``); on a backend without
 device kernels (the CPU), the host time inside the range, likewise. The sites of every layer add up
 under one name (``model.layers.*.mlp.down_proj``). Each row: calls and microseconds a step, the share
 of the step's kernel (or host) time, the bytes the site must read a step and the bandwidth that makes.
@@ -58,23 +59,30 @@ def site_group(name: str) -> str:
 
 
 class _Ranges:
-    """Forward hooks that open a profiler range named after each site while it runs."""
+    """Forward hooks that open a profiler range named after each site while it runs. With ``sync`` (a
+    device's), the device is waited for as a range opens and as it closes, so that the kernels a site
+    launches also run inside its range: kernels are then attributed by time (``attribute_device``), which
+    holds for every launcher (a Triton kernel's launch is no PyTorch operator the profiler could link)."""
 
-    def __init__(self, sites: dict[str, nn.Module]):
+    def __init__(self, sites: dict[str, nn.Module], sync=None):
         self.open: dict[int, list] = defaultdict(list)
-        self.handles = []
+        self.handles, self.sync = [], sync
         for name, m in sites.items():
             self.handles.append(m.register_forward_pre_hook(self._enter(name)))
             self.handles.append(m.register_forward_hook(self._exit))
 
     def _enter(self, name: str):
         def hook(module, args):
+            if self.sync is not None:
+                self.sync()
             r = record_function(PREFIX + name)
             r.__enter__()
             self.open[id(module)].append(r)
         return hook
 
     def _exit(self, module, args, output):
+        if self.sync is not None:
+            self.sync()
         self.open[id(module)].pop().__exit__(None, None, None)
 
     def remove(self) -> None:
@@ -101,6 +109,36 @@ def attribute(events, device: bool) -> tuple[dict[str, list[float]], float]:
     return per_site, outside
 
 
+def attribute_device(events) -> tuple[dict[str, list[float]], float]:
+    """``attribute`` for device kernels, from the profiler's kineto events (``name()``, ``device_type()``,
+    ``start_ns()``, ``end_ns()``, ``is_user_annotation()``): each kernel (or copy) belongs to the innermost
+    site range whose host interval holds it (``_Ranges`` with ``sync`` runs a site's kernels inside its
+    range); one outside every range is ``outside``. Microseconds."""
+    host = torch.autograd.DeviceType.CPU
+    ranges = sorted(((e.start_ns(), e.end_ns(), e.name()[len(PREFIX):]) for e in events
+                     if e.device_type() == host and e.name().startswith(PREFIX)), key=lambda r: (r[0], -r[1]))
+    own = [0.0] * len(ranges)
+    outside = 0.0
+    for e in events:
+        if e.device_type() == host or e.is_user_annotation():
+            continue
+        start, end = e.start_ns(), e.end_ns()
+        best = None  # the innermost holding range: the latest-starting one that holds it (ranges nest)
+        for i, (lo, hi, _) in enumerate(ranges):
+            if lo > start:
+                break
+            if end <= hi:
+                best = i
+        if best is None:
+            outside += (end - start) / 1e3
+        else:
+            own[best] += (end - start) / 1e3
+    per_site: dict[str, list[float]] = defaultdict(list)
+    for (_, _, name), us in zip(ranges, own):
+        per_site[name].append(us)
+    return per_site, outside
+
+
 def breakdown(llm: LLM, batch: int, input_len: int, steps: int, warmup_steps: int = 3, seed: int = 0) -> dict[str, Any]:
     """Profile ``steps`` decode steps of a batch on ``llm`` (built with ``enforce_eager``): the table above."""
     engine = llm.engine
@@ -116,7 +154,7 @@ def breakdown(llm: LLM, batch: int, input_len: int, steps: int, warmup_steps: in
     sites = find_sites(model)
     device = engine.device.type != "cpu"
     activities = list(supported_activities())  # the host's, and those of every device torch was built for
-    ranges = _Ranges(sites)
+    ranges = _Ranges(sites, (lambda: engine.backend.synchronize(engine.device_index)) if device else None)
     contexts = 0
     try:
         with profile(activities=activities) as prof:
@@ -128,7 +166,10 @@ def breakdown(llm: LLM, batch: int, input_len: int, steps: int, warmup_steps: in
         ranges.remove()
     while engine.has_unfinished():
         engine.step()
-    per_site, outside = attribute(prof.events(), device)
+    if device:
+        per_site, outside = attribute_device(list(prof.profiler.kineto_results.events()))
+    else:
+        per_site, outside = attribute(prof.events(), device)
     kv_per_token = engine.attention.bytes_per_block() // engine.attention.block_size  # one layer's cache
     total = sum(sum(v) for v in per_site.values()) + outside
     groups: dict[str, dict[str, Any]] = {}
