@@ -70,7 +70,7 @@ class Unavailable(CpuBackend):
 
 
 class Newer(CpuBackend):
-    name, contract_version, priority = "{p}newer", "1.9", -5
+    name, contract_version, priority = "{p}newer", "1.99", -5
 
 
 class Major(CpuBackend):
@@ -84,6 +84,9 @@ class WrongShapes(CpuBackend):
     def native_ops(self):
         return {{**super().native_ops(), "silu_and_mul": lambda x: x.clone(),
                 "apply_temperature": lambda logits, t: logits[:, :-1].float().clone()}}
+
+    def fusion_max_tokens(self):
+        return 0  # no step takes the CPU's fused rms_norm_linear (which has its own SiLU): layers call silu_and_mul
 '''
 
 
@@ -262,9 +265,9 @@ def test_a_newer_minor_loads_with_a_warning_naming_plugin_and_versions(acme):
     with pytest.warns(ContractWarning) as caught:
         assert get_backend(f"{acme}newer").name == f"{acme}newer"
     assert str(caught[0].message) == (
-        f"backend '{acme}newer' from {ORIGIN} targets chitu-core contract 1.9, newer than the contract "
+        f"backend '{acme}newer' from {ORIGIN} targets chitu-core contract 1.99, newer than the contract "
         f"{CONTRACT_VERSION} of the installed chitu-core {__version__}; it is loaded, but what it relies on from "
-        f"contracts 1.{int(CONTRACT_VERSION.split('.')[1]) + 1} to 1.9 is missing here: upgrade chitu-core")
+        f"contracts 1.{int(CONTRACT_VERSION.split('.')[1]) + 1} to 1.99 is missing here: upgrade chitu-core")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_contract("backend", "old", ORIGIN, "1.0")

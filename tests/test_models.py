@@ -85,3 +85,23 @@ def test_greedy_continuations_match_transformers(pair):
         assert margin < TIE_MARGIN, f"{arch}: diverged at step {step} where transformers' top-2 margin is {margin:.3g}"
         print(f"{arch}: divergence at step {step} excused, transformers' top-2 margin {margin:.2e} < {TIE_MARGIN}")
     assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
+
+
+def test_layers_take_the_decode_step_fusions_and_agree_without_them(pair):
+    """The CPU backend serves contract 1.9's fusions, so every dense layer above runs fused (norm in the
+    QKV and gate/up products, adds in o_proj's and down's): the comparisons above judge that path. The
+    unfused one (a backend without them) gives the same logits."""
+    arch, hf, llm = pair
+    layers = llm.engine.model.model.layers
+    assert all(layer.fusions and layer.self_attn.fuses() and layer.mlp.fuses() for layer in layers)
+    fused = batched_last_logits(llm, PROMPTS)
+    for layer in layers:  # a backend whose fused kernel covers fewer tokens than the prefill's (fusion_max_tokens)
+        layer.fusion_max_tokens = sum(map(len, PROMPTS)) - 1
+    try:
+        assert not any(layer.takes_fusions(sum(map(len, PROMPTS))) for layer in layers)
+        assert all(layer.takes_fusions(1) for layer in layers)
+        unfused = batched_last_logits(llm, PROMPTS)
+    finally:
+        for layer in layers:
+            layer.fusion_max_tokens = None
+    assert (fused - unfused).abs().max().item() <= 1e-4

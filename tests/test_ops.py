@@ -164,6 +164,25 @@ def linear_cases(dtype):
         yield (x, weight, bias), {}, dtype
 
 
+def rms_norm_linear_cases(dtype):  # contract 1.9
+    for x_shape, n, layout, with_bias, act in [((1, 1), 2, "contiguous", True, None), ((7, 33), 6, "transposed", False, "silu"),
+                                               ((2, 3, 16), 10, "strided", True, "gelu_tanh"), ((5, 31), 4, "contiguous", False, "gelu")]:
+        x = LAYOUTS[layout](randn(*x_shape, dtype=dtype, scale=3.0))
+        norm_w = strided((1 + randn(x_shape[-1], scale=0.3)).to(dtype))
+        weight = transposed(randn(n, x_shape[-1], dtype=dtype, scale=0.2))
+        bias = strided(randn(n, dtype=dtype)) if with_bias else None
+        yield (x, norm_w, 1e-6, weight, bias), ({} if act is None else {"activation": act}), dtype
+
+
+def linear_add_cases(dtype):  # contract 1.9
+    for x_shape, n, layout, with_bias in [((1, 1), 1, "contiguous", True), ((7, 33), 5, "transposed", False),
+                                          ((2, 3, 16), 17, "strided", True)]:
+        x = LAYOUTS[layout](randn(*x_shape, dtype=dtype))
+        weight = transposed(randn(n, x_shape[-1], dtype=dtype, scale=0.2))
+        residual = LAYOUTS[layout](randn(*x_shape[:-1], n, dtype=dtype, scale=2.0))
+        yield (x, weight, strided(randn(n, dtype=dtype)) if with_bias else None, residual), {}, dtype
+
+
 def embedding_cases(dtype):
     weight = transposed(randn(11, 6, dtype=dtype))
     yield (torch.randint(0, 11, (1,)), weight), {}, dtype
@@ -228,6 +247,7 @@ CASES = {name: globals()[f"{name}_cases"] for name in OP_NAMES if f"{name}_cases
 MOE_OPS = {"moe_route", "fused_experts", "fused_experts_fp8"}  # test_moe_ops.py, test_quant_moe.py: ids as sets, sums by NMSE
 QUANT_OPS = {"int4_linear", "int8_linear", "fp8_linear", "gguf_linear"}  # tests/test_quant_*.py, test_triton_*.py
 FLOAT32_ONLY = {"apply_top_k_top_p", "apply_min_p", "apply_penalties", "random_sample"}  # the contract takes float32 there
+SUMMED = {"rms_norm_linear", "linear_add"}  # bfloat16: a sum rounded two or three ways, judged by NMSE in conformance
 
 
 def test_every_op_has_a_case():
@@ -236,7 +256,7 @@ def test_every_op_has_a_case():
 
 @pytest.mark.parametrize(
     "name,dtype",
-    [(n, d) for n in CASES for d in DTYPES if d == torch.float32 or n not in FLOAT32_ONLY],
+    [(n, d) for n in CASES for d in DTYPES if d == torch.float32 or n not in FLOAT32_ONLY | SUMMED],
     ids=lambda v: str(v).removeprefix("torch."),
 )
 def test_op_matches_float64_reference(name, dtype):

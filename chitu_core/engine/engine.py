@@ -107,7 +107,7 @@ class LLMEngine:
         ctx = BuildContext(self.ops, self.attention, self.comm, self.dtype, self.device, self.quant, self.parallel,
                            config.enable_expert_parallel,
                            cpu_experts_for(config.cpu_experts, hf_config.num_hidden_layers, self.backend),
-                           self.backend.side_queue(self.device_index))
+                           self.backend.side_queue(self.device_index), self.backend.fusion_max_tokens())
         self.model = model_cls(hf_config, ctx)
         unfused: dict[str, tuple[str, ...]] = {}
         for fused, part, _ in getattr(self.model, "stacked_params", ()):  # spelled ".qkv_proj.", ".q_proj."

@@ -31,6 +31,7 @@ class BuildContext:
     expert_parallel: bool = False  # routed experts split whole over the tensor-parallel ranks
     cpu_experts: CPUExperts | None = None  # layers whose routed experts stay in host memory, run on the CPU
     side: SideQueue | None = None  # the backend's second work queue (contract 1.8), for independent work
+    fusion_max_tokens: int | None = None  # steps of at most this many tokens take the decode-step fusions (1.9)
 
     @property
     def cpu_expert_layers(self) -> frozenset[int]:

@@ -18,7 +18,7 @@ from torch import nn
 
 from chitu_core.layers.context import BuildContext
 from chitu_core.layers.weights import check_shape, set_loader
-from chitu_core.quantization import QuantMethod
+from chitu_core.quantization import QuantMethod, UnquantizedMethod
 from chitu_core.quantization.params import copy_span, per_tensor_value, stored_span
 
 
@@ -88,8 +88,28 @@ class LinearBase(nn.Module):
         loaded = per_tensor_value(param, loaded)
         copy_span(param, loaded, None, None, None, "replicated linear")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.bias)
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, activation: str | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias). The decode-step fusions of contract 1.9, where ``fuses()``: with ``norm`` (an
+        RMSNorm) the product of norm(x), and with ``activation`` too its gated activation
+        (``ops.rms_norm_linear``); with ``residual``, residual + the product (``ops.linear_add``)."""
+        if norm is None and residual is None:
+            return self.product(x, self.bias)
+        return self.fused(x, norm, activation, residual)
+
+    def fuses(self) -> bool:
+        """Whether the fusions may take this layer: a dense weight in the model dtype, multiplied by
+        ``ops.linear`` (not quantized, not in a backend's own layout), whole on this rank."""
+        return type(self.quant) is UnquantizedMethod and self.packed is None and self.tp_size == 1
+
+    def fused(self, x: torch.Tensor, norm: nn.Module | None, activation: str | None,
+              residual: torch.Tensor | None) -> torch.Tensor:
+        if not self.fuses():
+            raise ValueError(f"{type(self).__name__}: the decode-step fusions take only a dense, unsplit weight "
+                             f"(this one: {self.quant.name}, tp {self.tp_size}); call it without norm or residual")
+        if norm is not None:
+            return self.ops.rms_norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, activation)
+        return self.ops.linear_add(x, self.weight, self.bias, residual)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -195,7 +215,10 @@ class RowParallelLinear(LinearBase):
         check_shape(loaded.shape, tuple(param.shape), "row-split linear bias")
         param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With ``residual``: residual + the product, fused (``LinearBase.forward``; one rank only)."""
+        if residual is not None:
+            return self.fused(x, None, None, residual)
         # The bias is added once: after the sum over ranks, or before it on rank 0 alone.
         out = self.product(x, None)
         if self.reduce:

@@ -75,6 +75,9 @@ OUTPUTS: dict[str, Callable[[Mapping[str, Any]], Outputs]] = {
     "offset_rms_norm": _like("x"),  # contract 1.6
     "fused_add_offset_rms_norm": lambda a: _like("x")(a) * 2,
     "layer_norm": _like("x"),
+    "rms_norm_linear": lambda a: [((*a["x"].shape[:-1], a["weight"].shape[0] // (2 if a.get("activation") else 1)),
+                                   a["x"].dtype)],  # contract 1.9
+    "linear_add": lambda a: [(tuple(a["residual"].shape), a["x"].dtype)],
 }
 """op -> (arguments by name -> [(shape, dtype)] of each output): what ``spec`` says each op returns.
 A new op of the contract adds its rule here (``tests/test_hardening.py`` checks every op has one)."""

@@ -79,6 +79,27 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+GATED = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_tanh": lambda y: gelu_and_mul(y, "tanh")}
+"""rms_norm_linear's activations (contract 1.9): name -> the gated op over the product."""
+
+
+def rms_norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                    activation: str | None = None) -> Tensor:  # contract 1.9
+    y = linear(rms_norm(x, norm_weight, eps), weight, bias)
+    return y if activation is None else rms_norm_linear_gated(y, activation)
+
+
+def rms_norm_linear_gated(y: Tensor, activation: str) -> Tensor:
+    """rms_norm_linear's gated activation (one of ``GATED``) of a product y [..., N] -> [..., N/2]."""
+    if activation not in GATED:
+        raise ValueError(f"rms_norm_linear: activation {activation!r} is not one of {', '.join(GATED)} or None")
+    return GATED[activation](y)
+
+
+def linear_add(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:  # contract 1.9
+    return residual + linear(x, weight, bias)
+
+
 def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     return weight[ids]
 

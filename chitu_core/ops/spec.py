@@ -234,6 +234,21 @@ class OpSet(Protocol):
         + bias over the last dimension (biased variance), computed in float32 and rounded to x.dtype
         once at the end."""
 
+    # --- contract 1.9: decode-step fusions (layers call them only where the backend serves them itself) ---
+
+    def rms_norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                        activation: str | None = None) -> Tensor:
+        """x: [..., K], norm_weight: [K], weight: [N, K], bias: [N] or None. Returns
+        ``linear(rms_norm(x, norm_weight, eps), weight, bias)`` ([..., N]); with ``activation`` ("silu",
+        "gelu" or "gelu_tanh") the gated activation of that product, act(y[..., :N/2]) * y[..., N/2:]
+        ([..., N/2]), as ``silu_and_mul``/``gelu_and_mul`` give it. The normed x may stay in float32
+        rather than be rounded to x.dtype; accumulation in float32, the result rounded once."""
+
+    def linear_add(self, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+        """x: [..., K], weight: [N, K], bias: [N] or None, residual: [..., N]. Returns
+        ``residual + linear(x, weight, bias)``; the float32 product may be added to the residual before
+        rounding (once) rather than after."""
+
 
 OP_NAMES: tuple[str, ...] = tuple(
     name for name in OpSet.__dict__ if not name.startswith("_") and callable(OpSet.__dict__[name])

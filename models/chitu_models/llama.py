@@ -29,6 +29,8 @@ from chitu_core.layers.stage import Absent, build_lm_head, stage_layers
 from chitu_core.model import CausalLM, KVGeometry
 
 ACTIVATIONS = {"silu": "silu_and_mul", "gelu": "gelu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}
+FUSED_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}  # rms_norm_linear's names
+FUSED_OPS = ("rms_norm_linear", "linear_add")
 # The sizes every in-tree ``conformance_config()`` starts from: small enough that the whole model/*
 # conformance run stays cheap, past the case's prompts (30 tokens and 6 decode steps) in positions.
 CONFORMANCE_SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -37,6 +39,19 @@ CONFORMANCE_SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=512,
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def serves_fusions(ops) -> bool:
+    """Whether the backend serves the decode-step fusions itself; where the reference would (a fallback),
+    the layers keep the backend's own unfused ops."""
+    return all(ops.sources[name].kind != "fallback" for name in FUSED_OPS)
+
+
+def overrides_both(module: nn.Module, base: type) -> bool:
+    """False where ``module``'s class overrides ``base.forward`` but not ``base.forward_fused``: the fused
+    path would skip what its ``forward`` adds."""
+    cls = type(module)
+    return cls.forward is base.forward or cls.forward_fused is not base.forward_fused
 
 
 def unfuse(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,12 +98,26 @@ class DecoderAttention(nn.Module):
         self.o_proj.reduce = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.hq * self.hd, self.hk * self.hd, self.hk * self.hd], dim=-1)
+        return self.o_proj(self._attend(positions, self.qkv_proj(x), step))
+
+    def fuses(self) -> bool:
+        """Whether ``forward_fused`` may serve: both projections ``fuses()``, and a subclass that changes
+        ``forward`` (a model plugin's multiplier, say) changes ``forward_fused`` too."""
+        return (overrides_both(self, DecoderAttention) and self.qkv_proj.fuses() and self.o_proj.fuses())
+
+    def forward_fused(self, positions: torch.Tensor, stream: torch.Tensor, norm: RMSNorm,
+                      step: StepContext) -> torch.Tensor:
+        """The residual stream after this sublayer: ``stream`` + o_proj(attention(qkv_proj(norm(stream)))),
+        the norm in the QKV product's prologue and the add in o_proj's epilogue (contract 1.9)."""
+        return self.o_proj(self._attend(positions, self.qkv_proj(stream, norm=norm), step), residual=stream)
+
+    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor, step: StepContext) -> torch.Tensor:
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.hq * self.hd, self.hk * self.hd, self.hk * self.hd], dim=-1)
         q, k, v = q.view(t, self.hq, self.hd), k.view(t, self.hk, self.hd), v.view(t, self.hk, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, step, self.rotary, positions))
+        return self.attn(q, k, v, step, self.rotary, positions)
 
 
 class DecoderMLP(nn.Module):
@@ -103,6 +132,7 @@ class DecoderMLP(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         self.act = getattr(ctx.ops, ACTIVATIONS[act])
         self.act_kwargs = {"approximate": "tanh"} if act == "gelu_pytorch_tanh" else {}
+        self.fused_act = FUSED_ACTIVATIONS[act]
 
     def defer_reduce(self) -> "DecoderMLP":
         """Return this rank's partial output, unsummed (see ``RowParallelLinear.reduce``)."""
@@ -111,6 +141,15 @@ class DecoderMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x), **self.act_kwargs))
+
+    def fuses(self) -> bool:
+        """As ``DecoderAttention.fuses``."""
+        return overrides_both(self, DecoderMLP) and self.gate_up_proj.fuses() and self.down_proj.fuses()
+
+    def forward_fused(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``stream`` + down(act(gate_up(norm(stream)))): the norm in the gate/up product's prologue, the
+        activation in its epilogue, the add in the down product's epilogue (contract 1.9)."""
+        return self.down_proj(self.gate_up_proj(stream, norm=norm, activation=self.fused_act), residual=stream)
 
 
 def defer_reduce(module: nn.Module) -> bool:
@@ -144,8 +183,26 @@ class DecoderLayer(nn.Module):
         self.attn_partial = fuse and defer_reduce(self_attn)
         self.mlp_partial = fuse and defer_reduce(mlp)
         self.input_partial = False
+        self.fusions = (ctx.tp_size == 1 and not self.norm_offset and serves_fusions(ctx.ops)
+                        and isinstance(self_attn, DecoderAttention))
+        self.fusion_max_tokens = ctx.fusion_max_tokens
+
+    def takes_fusions(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` takes the decode-step fusions (contract 1.9): the backend serves them
+        for that many tokens, and the attention's projections can take them (the MLP's too, or it runs
+        on the normed stream as before)."""
+        limit = self.fusion_max_tokens
+        return self.fusions and self.self_attn.fuses() and (limit is None or tokens <= limit)
 
     def forward(self, positions, hidden, residual, step):
+        """(hidden, residual) -> the same pair for the next layer; a residual of None means hidden is the
+        whole residual stream (the embeddings; a layer's output where it fused its adds)."""
+        if self.takes_fusions(hidden.shape[0]):
+            stream = hidden if residual is None else hidden + residual
+            stream = self.self_attn.forward_fused(positions, stream, self.input_layernorm, step)
+            if isinstance(self.mlp, DecoderMLP) and self.mlp.fuses():
+                return self.mlp.forward_fused(stream, self.post_attention_layernorm), None
+            return self.mlp(self.post_attention_layernorm(stream)), stream
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -199,8 +256,8 @@ class DecoderModel(nn.Module):
         if not self.last:
             if comm is not None:
                 hidden = comm.all_reduce(hidden)
-            return torch.stack([hidden, residual])  # a stage has a layer at least, so a residual
-        return self.norm(hidden, residual, comm)[0]
+            return torch.stack([hidden, torch.zeros_like(hidden) if residual is None else residual])
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual, comm)[0]
 
 
 class LlamaForCausalLM(CausalLM):

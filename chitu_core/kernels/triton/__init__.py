@@ -19,6 +19,9 @@ One module per kernel family, each a launcher that matches its contract op exact
   gemv.py             int4_linear's matrix-vector kernel for one row (batch-1 decode)
   dense_gemv.py       a 16-bit or float32 linear's matrix-vector kernel for one row (the NVIDIA backend's
                       linear at batch 1 for outputs of up to 4096)
+  fused_gemv.py       the decode-step fusions (contract 1.9): dense_gemv with the RMSNorm in its prologue and
+                      the gated activation or the residual add in its epilogue (the NVIDIA backend's
+                      rms_norm_linear and linear_add at batch 1)
   quant_matmul.py     the matmul behind fp8_linear.py and int8_linear.py (8-bit weights, per-channel or
                       block scales, 16-bit or dynamically quantized 8-bit activations: act_quant.py)
   gguf_linear.py      gguf_linear over GGUF's own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)

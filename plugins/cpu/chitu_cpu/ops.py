@@ -57,6 +57,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def rms_norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                    activation: str | None = None) -> Tensor:
+    """Contract 1.9, as the unfused ops compute it (inductor fuses the elementwise parts)."""
+    y = linear(rms_norm(x, norm_weight, eps), weight, bias)
+    if activation is None:
+        return y
+    return silu_and_mul(y) if activation == "silu" else reference.rms_norm_linear_gated(y, activation)
+
+
+def linear_add(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    """Contract 1.9: the BLAS adds the residual to its sums (one rounding)."""
+    if bias is None and x.dim() == 2 and residual.dim() == 2:
+        return torch.addmm(residual, x, weight.t())
+    return residual + linear(x, weight, bias)
+
+
 def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     return F.embedding(ids, weight)
 
@@ -108,6 +124,8 @@ NATIVE_OPS = {
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
     "linear": linear,
+    "rms_norm_linear": rms_norm_linear,  # contract 1.9
+    "linear_add": linear_add,
     "embedding": embedding,
     "greedy_sample": greedy_sample,
     "apply_top_k_top_p": apply_top_k_top_p,

@@ -6,6 +6,8 @@ Nothing here imports triton when the module loads: on a machine without triton o
 reports holds the PyTorch ops only.
 """
 
+import os
+
 import torch
 
 from chitu_core.kernels.triton.backend import TritonBackend
@@ -14,7 +16,7 @@ from chitu_nvidia.ops import nvidia_ops
 
 class NvidiaBackend(TritonBackend):
     name = "nvidia"
-    contract_version = "1.6"
+    contract_version = "1.9"  # 1.9: the decode-step fusions (ops.rms_norm_linear, ops.linear_add)
     priority = 100
 
     def stack_problem(self) -> str:
@@ -57,6 +59,13 @@ class NvidiaBackend(TritonBackend):
         if method == "int8":
             return {"act_quant": True}
         return {}
+
+    def fusion_max_tokens(self) -> int | None:
+        """Batch 1 (CHITU_FUSION_MAX_TOKENS sets another, to compare). The fused matrix-vector kernel beats
+        the unfused ops at one row on every shape up to 8192 outputs; at 2 to 8 rows only on weights as
+        small as SmolLM2-135M's (``chitu_nvidia.ops.MAX_FUSED_ROWS_WEIGHT``), so from 2 rows a larger
+        model would pay the adds of the fused layer without the kernel (plugins/nvidia/scripts/fused_gemv_sweep.py)."""
+        return int(os.environ.get("CHITU_FUSION_MAX_TOKENS", 1))
 
     def transposed_linear_weights(self) -> bool:
         """cuBLAS picks faster kernels for decode-sized GEMMs on [in, out] weights (measured on an H200

@@ -1,7 +1,10 @@
 """The NVIDIA backend's ops over the portable Triton ones (``TritonBackend.native_ops``).
 
 linear goes to cuBLAS, or to cuBLASLt for the batch sizes where its kernels are faster, or at batch 1
-with an output of up to ``MAX_GEMV_N`` to the Triton matrix-vector kernel. Before
+with an output of up to ``MAX_GEMV_N`` to the Triton matrix-vector kernel. The decode-step fusions
+(contract 1.9: ``rms_norm_linear``, ``linear_add``) take the fused matrix-vector kernel at batch 1 for
+weights of up to ``MAX_FUSED_N`` outputs, and up to ``fused_gemv.MAX_ROWS`` rows for small weights
+(``MAX_FUSED_ROWS_WEIGHT``); else the unfused ops. Before
 Ada/Hopper (compute capability 8.9) there are no FP8 types, so the FP8 linears and experts decode the
 bytes in registers. Sampling filters and penalties stay reference fallbacks until on-device sampling
 kernels land.
@@ -25,7 +28,21 @@ CHITU_GEMV_MAX_N sets another (to compare). On an H100 (plugins/nvidia/scripts/d
 SEARCH=0) the kernel beat cuBLAS on every bf16 decode shape of SmolLM2-135M, Qwen3-1.7B, Llama-3.1-8B,
 Qwen3-30B-A3B and DeepSeek-V2-Lite up to 4096 outputs (Llama-3.1-8B down 52.6 -> 45.7 us, SmolLM2's
 576 x 576 3.6 -> 1.7 us); wider (5632, the LM heads, 28672) cuBLAS was faster or tied."""
+MAX_FUSED_N = int(os.environ.get("CHITU_FUSED_MAX_N", 8192))
+"""Widest weight (both halves of a gated pair) the decode-step fusions send to the fused matrix-vector
+kernel at batch 1; CHITU_FUSED_MAX_N sets another, 0 turns the fused kernel off (to compare). On an H100
+(plugins/nvidia/scripts/fused_gemv_sweep.py) it beat RMSNorm + linear (+ silu_and_mul) and linear + add
+on every bf16 decode shape of SmolLM2-135M, Qwen3-1.7B and Llama-3.1-8B up to 6144 outputs (SmolLM2
+gate_up 6.0 -> 3.9 us, o_proj 5.0 -> 1.9 us; Llama-3.1-8B qkv 25.3 -> 23.4 us), tied at 12288 (Qwen3-1.7B
+gate_up) and lost at 28672 (Llama-3.1-8B gate_up, 88.8 -> 98.2 us)."""
+MAX_FUSED_ROWS_WEIGHT = int(os.environ.get("CHITU_FUSED_ROWS_MAX_WEIGHT", 1 << 21))
+"""Largest weight (elements) the fused kernel takes for 2 to 8 rows. Its tensor-core product beat the
+unfused ops on SmolLM2-135M's shapes at 4 rows (qkv 5.7 -> 3.8 us, o_proj 5.2 -> 3.2 us) but lost from
+Qwen3-1.7B's up (o_proj 7.8 -> 8.1 us at best, down 16.2 -> 21.9 us)."""
 _dense_gemv: Callable | None = None  # bound by nvidia_ops(), which runs only where triton is installed
+_fused_gemv: Callable | None = None
+_MAX_ROWS = 0
+_unfused: dict[str, Callable] = {}  # the Triton rms_norm and gated activations, for the shapes the kernel leaves
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,15 +59,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.backends.cuda.preferred_blas_library(before)
 
 
+def _fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // max(1, x.shape[-1])
+    if _fused_gemv is None or rows > _MAX_ROWS or x.dtype != weight.dtype:
+        return False
+    return weight.shape[0] <= MAX_FUSED_N if rows == 1 else weight.numel() <= MAX_FUSED_ROWS_WEIGHT
+
+
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None, activation: str | None = None) -> torch.Tensor:
+    if _fused_rows(x, weight):
+        return _fused_gemv(x, weight, bias, norm_weight, eps, activation)
+    y = linear(_unfused["rms_norm"](x, norm_weight, eps), weight, bias)
+    if activation is None:
+        return y
+    if activation == "silu":
+        return _unfused["silu_and_mul"](y)
+    return _unfused["gelu_and_mul"](y, "tanh" if activation == "gelu_tanh" else "none")
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor) -> torch.Tensor:
+    if _fused_rows(x, weight):
+        return _fused_gemv(x, weight, bias, residual=residual)
+    return residual + linear(x, weight, bias)
+
+
 def nvidia_ops() -> dict[str, Callable]:
     """Called only where triton is installed (``TritonBackend.native_ops``)."""
-    global _dense_gemv
+    global _dense_gemv, _fused_gemv, _MAX_ROWS
     from chitu_core.kernels.triton import pdl
+    from chitu_core.kernels.triton.activation import gelu_and_mul, silu_and_mul
     from chitu_core.kernels.triton.dense_gemv import dense_gemv
+    from chitu_core.kernels.triton.fused_gemv import MAX_ROWS, fused_gemv
+    from chitu_core.kernels.triton.rms_norm import rms_norm
 
     _dense_gemv = dense_gemv
+    _fused_gemv, _MAX_ROWS = (fused_gemv if MAX_FUSED_N > 0 else None), MAX_ROWS
+    _unfused.update(rms_norm=rms_norm, silu_and_mul=silu_and_mul, gelu_and_mul=gelu_and_mul)
     pdl.allow()  # Hopper and newer: the decode path's kernels launch dependent (pdl.pdl_launch checks the device)
-    ops: dict[str, Callable] = {"linear": linear}
+    ops: dict[str, Callable] = {"linear": linear, "rms_norm_linear": rms_norm_linear, "linear_add": linear_add}
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes
         from chitu_core.kernels.triton.moe_fp8 import fused_experts_fp8_bytes

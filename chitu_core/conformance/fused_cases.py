@@ -1,0 +1,56 @@
+"""Operands for the decode-step fusions of contract 1.9 (``rms_norm_linear``, ``linear_add``), judged by
+``op_cases`` against the reference in float64.
+
+Rows 1 (batch-1 decode), 2 to 8 (small batches, where a backend may keep a matrix-vector kernel) and
+more (where it hands over to a GEMM); K and N off the powers of two and past a tile; each gated
+activation; the weight in both memory orders (row-major as checkpoints store it, and transposed).
+"""
+
+from collections.abc import Iterator
+
+from chitu_core.conformance.case import randn
+
+NORM_LINEAR = [  # (rows, K, N, bias, activation, x layout, weight layout)
+    (1, 1, 1, False, None, "contiguous", "contiguous"), (1, 576, 960, False, None, "contiguous", "transposed"),
+    (1, 300, 70, True, None, "strided", "contiguous"), (1, 576, 3072, False, "silu", "contiguous", "transposed"),
+    (3, 257, 130, True, "gelu_tanh", "padded", "transposed"), (4, 2048, 4096, False, None, "contiguous", "transposed"),
+    (8, 1000, 96, False, "gelu", "contiguous", "contiguous"), (5, 512, 1026, True, "silu", "transposed", "transposed"),
+    (17, 256, 384, False, "silu", "contiguous", "transposed"), (64, 1024, 1024, True, None, "contiguous", "contiguous"),
+]
+LINEAR_ADD = [  # (rows, K, N, bias, x layout, weight layout, residual layout)
+    (1, 1, 1, False, "contiguous", "contiguous", "contiguous"), (1, 960, 576, False, "contiguous", "transposed", "contiguous"),
+    (1, 300, 70, True, "strided", "contiguous", "padded"), (2, 1536, 576, False, "contiguous", "transposed", "strided"),
+    (4, 2048, 2048, True, "padded", "transposed", "contiguous"), (8, 129, 1000, False, "transposed", "contiguous", "contiguous"),
+    (17, 512, 256, True, "contiguous", "transposed", "transposed"), (64, 1024, 1024, False, "contiguous", "contiguous", "padded"),
+]
+
+
+def _spec():
+    from chitu_core.conformance.op_cases import In, Spec
+
+    return In, Spec
+
+
+def rms_norm_linear(dtype) -> Iterator:
+    In, Spec = _spec()
+    for m, k, n, bias, act, lx, lw in NORM_LINEAR:
+        def make(gen, m=m, k=k, n=n, bias=bias, act=act, lx=lx, lw=lw):
+            x = randn(gen, m, k, dtype=dtype, scale=3.0)
+            norm_w = randn(gen, k, dtype=dtype, scale=0.3, offset=1.0)
+            w = randn(gen, n, k, dtype=dtype, scale=k**-0.5)
+            b = In(randn(gen, n, dtype=dtype), "strided") if bias else None
+            return [In(x, lx), In(norm_w, "strided"), 1e-6, In(w, lw), b], ({} if act is None else {"activation": act})
+        label = f"M={m} K={k} N={n}{' bias' if bias else ''}{' ' + act if act else ''} x {lx}, weight {lw}"
+        yield Spec(label, {"m": m, "k": k, "n": n, "bias": bias, "activation": act}, make,
+                   flops=lambda host, m=m, k=k, n=n: 2 * m * k * n)
+
+
+def linear_add(dtype) -> Iterator:
+    In, Spec = _spec()
+    for m, k, n, bias, lx, lw, lr in LINEAR_ADD:
+        def make(gen, m=m, k=k, n=n, bias=bias, lx=lx, lw=lw, lr=lr):
+            x, w = randn(gen, m, k, dtype=dtype), randn(gen, n, k, dtype=dtype, scale=k**-0.5)
+            b = In(randn(gen, n, dtype=dtype), "strided") if bias else None
+            return [In(x, lx), In(w, lw), b, In(randn(gen, m, n, dtype=dtype, scale=4.0), lr)], {}
+        label = f"M={m} K={k} N={n}{' bias' if bias else ''} x {lx}, weight {lw}, residual {lr}"
+        yield Spec(label, {"m": m, "k": k, "n": n, "bias": bias}, make, flops=lambda host, m=m, k=k, n=n: 2 * m * k * n)
