@@ -18,10 +18,13 @@ NORM_LINEAR = [  # (rows, K, N, bias, activation, x layout, weight layout)
     (17, 256, 384, False, "silu", "contiguous", "transposed"), (64, 1024, 1024, True, None, "contiguous", "contiguous"),
 ]
 LINEAR_ADD = [  # (rows, K, N, bias, x layout, weight layout, residual layout)
-    (1, 1, 1, False, "contiguous", "contiguous", "contiguous"), (1, 960, 576, False, "contiguous", "transposed", "contiguous"),
+    (1, 1, 1, False, "contiguous", "contiguous", "contiguous"),
+    (1, 960, 576, False, "contiguous", "transposed", "contiguous"),
     (1, 300, 70, True, "strided", "contiguous", "padded"), (2, 1536, 576, False, "contiguous", "transposed", "strided"),
-    (4, 2048, 2048, True, "padded", "transposed", "contiguous"), (8, 129, 1000, False, "transposed", "contiguous", "contiguous"),
-    (17, 512, 256, True, "contiguous", "transposed", "transposed"), (64, 1024, 1024, False, "contiguous", "contiguous", "padded"),
+    (4, 2048, 2048, True, "padded", "transposed", "contiguous"),
+    (8, 129, 1000, False, "transposed", "contiguous", "contiguous"),
+    (17, 512, 256, True, "contiguous", "transposed", "transposed"),
+    (64, 1024, 1024, False, "contiguous", "contiguous", "padded"),
 ]
 
 

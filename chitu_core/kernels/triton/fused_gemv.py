@@ -12,8 +12,9 @@ float32 tile of partial sums, reduced once after the loop. More rows (``_fused_r
 loads are left to Triton's pipeliner, and each step is a tensor-core product of the rows (padded to 16)
 with the tile, float32 accumulation (IEEE float32 products for float32 weights). On an H100 that is no
 faster than cuBLAS beyond SmolLM2-sized weights (plugins/nvidia/scripts/fused_gemv_sweep.py), so the
-NVIDIA backend's layers take the fusions at batch 1 only (``fusion_max_tokens``). The epilogue applies the norm's factor, adds the bias, applies the gated activation or adds the residual,
-all in float32, and rounds once.
+NVIDIA backend's layers take the fusions at batch 1 only (``fusion_max_tokens``). The epilogue applies
+the norm's factor, adds the bias, applies the gated activation or adds the residual, all in float32,
+and rounds once.
 
 Programmatic dependent launch (``pdl``): the first weight tile is loaded before ``gdc_enter`` waits; x
 and the residual, which the previous kernel wrote, only after.
@@ -100,19 +101,15 @@ def _step(acc, tile, xk, BLOCK_M: tl.constexpr, K_MAJOR: tl.constexpr, IEEE: tl.
 
 
 @triton.jit
-def _finish(acc, BLOCK_M: tl.constexpr, K_MAJOR: tl.constexpr):
-    """The [BLOCK_M, BLOCK_N] sums from the loop's accumulator."""
-    if BLOCK_M == 1:
-        y = tl.sum(acc, axis=1 if K_MAJOR else 0)[None, :]
-    else:
-        y = acc
-    return y
+def _finish(acc, K_MAJOR: tl.constexpr):
+    """One row's [1, BLOCK_N] sums from its tile of partial sums."""
+    return tl.sum(acc, axis=1 if K_MAJOR else 0)[None, :]
 
 
 @triton.jit
 def _fused_gemv_kernel(out, x, w, bias, nw, res, M, N, K, eps, stride_xm, stride_xk, stride_wn, stride_wk,
-                       stride_b, stride_nw, stride_rm, stride_rn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
+                       stride_b, stride_nw, stride_rm, stride_rn, stride_om, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
                        RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N  # N: output columns (of each half where gated)
@@ -125,13 +122,10 @@ def _fused_gemv_kernel(out, x, w, bias, nw, res, M, N, K, eps, stride_xm, stride
         nxt_u = _tile(w, kk, ru, K, n_ok, stride_wn, stride_wk, K_MAJOR)
     gdc_enter(PDL)
     nxt_x, nxt_xw = _x_tile(x, nw, rm, m_ok, kk, K, stride_xm, stride_xk, stride_nw, NORM)
-    if BLOCK_M == 1:
-        if K_MAJOR:
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    if K_MAJOR:  # one row: a tile of partial sums, reduced after the loop
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     acc_u = acc
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)  # the rows' sums of squares, for the norm
     for k0 in range(0, K, BLOCK_K):
@@ -146,8 +140,8 @@ def _fused_gemv_kernel(out, x, w, bias, nw, res, M, N, K, eps, stride_xm, stride
         acc = _step(acc, tile, xw, BLOCK_M, K_MAJOR, IEEE)
         if ACT != 0:
             acc_u = _step(acc_u, tile_u, xw, BLOCK_M, K_MAJOR, IEEE)
-    y = _finish(acc, BLOCK_M, K_MAJOR)
-    up = _finish(acc_u, BLOCK_M, K_MAJOR)
+    y = _finish(acc, K_MAJOR)
+    up = _finish(acc_u, K_MAJOR)
     _epilogue(y, up, ss, out, bias, res, rm, m_ok, rn, ru, n_ok, K, eps, stride_b, stride_rm, stride_rn, stride_om,
               NORM, ACT, RESIDUAL, HAS_BIAS)
 

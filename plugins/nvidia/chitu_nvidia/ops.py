@@ -68,6 +68,8 @@ def _fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                     bias: torch.Tensor | None, activation: str | None = None) -> torch.Tensor:
+    if activation not in (None, "silu", "gelu", "gelu_tanh"):
+        raise ValueError(f"rms_norm_linear: activation {activation!r} is not 'silu', 'gelu', 'gelu_tanh' or None")
     if _fused_rows(x, weight):
         return _fused_gemv(x, weight, bias, norm_weight, eps, activation)
     y = linear(_unfused["rms_norm"](x, norm_weight, eps), weight, bias)
