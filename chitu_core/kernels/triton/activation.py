@@ -16,6 +16,20 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
+def act_and_mul(gate, up, ACT: tl.constexpr):
+    """act(gate) * up in float32, ACT "silu", "gelu" (erf) or "gelu_tanh": this kernel's, and the epilogue
+    of the products that end in a gated activation (fused_experts' gate/up, fused_gemv's)."""
+    if ACT == "silu":
+        act = gate * tl.sigmoid(gate)
+    elif ACT == "gelu":
+        act = 0.5 * gate * (1.0 + tl.math.erf(gate * SQRT_HALF))
+    else:  # gelu, tanh approximation; tanh(y) = 2 sigmoid(2y) - 1
+        y = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+        act = gate * tl.sigmoid(2.0 * y)
+    return act * up
+
+
+@triton.jit
 def _act_and_mul_kernel(out_ptr, x_ptr, inter, stride_row, stride_col, BLOCK: tl.constexpr, ACT: tl.constexpr,
                         PDL: tl.constexpr):
     gdc_enter(PDL)
@@ -25,14 +39,7 @@ def _act_and_mul_kernel(out_ptr, x_ptr, inter, stride_row, stride_col, BLOCK: tl
     base = x_ptr + row * stride_row
     gate = tl.load(base + cols * stride_col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(base + (cols + inter) * stride_col, mask=mask, other=0.0).to(tl.float32)
-    if ACT == "silu":
-        act = gate * tl.sigmoid(gate)
-    elif ACT == "gelu":
-        act = 0.5 * gate * (1.0 + tl.math.erf(gate * SQRT_HALF))
-    else:  # gelu, tanh approximation; tanh(y) = 2 sigmoid(2y) - 1
-        y = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
-        act = gate * tl.sigmoid(2.0 * y)
-    tl.store(out_ptr + row * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * inter + cols, act_and_mul(gate, up, ACT).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:

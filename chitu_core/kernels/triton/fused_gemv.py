@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from chitu_core.kernels.triton.activation import act_and_mul
 from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.dense_gemv import _tile, dense_gemv_config
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_launch
@@ -33,7 +34,8 @@ from chitu_core.kernels.triton.pdl import gdc_enter, pdl_launch
 MAX_ROWS = 8
 """Most rows the kernel takes; more go to the backend's GEMM (rows pad to 16 in the tensor-core product,
 so the weight is read once for up to 16; past 8 a BLAS tile is as good)."""
-ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
+ACTIVATIONS = {None: "none", "silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+"""``activation`` -> the kernel's ACT ("none": none; else ``activation.act_and_mul``'s name)."""
 
 
 @dataclass(frozen=True)
@@ -57,18 +59,6 @@ def fused_gemv_config(n: int, k: int, k_major: bool, rows: int, gated: bool, uni
     if rows == 1:
         return FusedGemvConfig(block_n, cfg.block_k, cfg.num_warps)
     return FusedGemvConfig(max(16, block_n), 128, 4, 3)
-
-
-@triton.jit
-def _act(g, ACT: tl.constexpr):
-    if ACT == 1:
-        a = g / (1.0 + tl.exp(-g))
-    elif ACT == 2:
-        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    else:
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
-    return a
 
 
 @triton.jit
@@ -109,8 +99,9 @@ def _finish(acc, K_MAJOR: tl.constexpr):
 @triton.jit
 def _fused_gemv_kernel(out, x, w, bias, nw, res, M, N, K, eps, stride_xm, stride_xk, stride_wn, stride_wk,
                        stride_b, stride_nw, stride_rm, stride_rn, stride_om, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
-                       RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr, NORM: tl.constexpr,
+                       ACT: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                       PDL: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N  # N: output columns (of each half where gated)
     ru = rn + N  # the up half's columns where gated
@@ -118,7 +109,7 @@ def _fused_gemv_kernel(out, x, w, bias, nw, res, M, N, K, eps, stride_xm, stride
     m_ok = rm < M
     kk = tl.arange(0, BLOCK_K)
     nxt = _tile(w, kk, rn, K, n_ok, stride_wn, stride_wk, K_MAJOR)  # weights: no wait
-    if ACT != 0:
+    if ACT != "none":
         nxt_u = _tile(w, kk, ru, K, n_ok, stride_wn, stride_wk, K_MAJOR)
     gdc_enter(PDL)
     nxt_x, nxt_xw = _x_tile(x, nw, rm, m_ok, kk, K, stride_xm, stride_xk, stride_nw, NORM)
@@ -131,14 +122,14 @@ def _fused_gemv_kernel(out, x, w, bias, nw, res, M, N, K, eps, stride_xm, stride
     for k0 in range(0, K, BLOCK_K):
         tile, xk, xw = nxt, nxt_x, nxt_xw
         nxt = _tile(w, k0 + BLOCK_K + kk, rn, K, n_ok, stride_wn, stride_wk, K_MAJOR)
-        if ACT != 0:
+        if ACT != "none":
             tile_u = nxt_u
             nxt_u = _tile(w, k0 + BLOCK_K + kk, ru, K, n_ok, stride_wn, stride_wk, K_MAJOR)
         nxt_x, nxt_xw = _x_tile(x, nw, rm, m_ok, k0 + BLOCK_K + kk, K, stride_xm, stride_xk, stride_nw, NORM)
         if NORM:
             ss += tl.sum(xk * xk, axis=1)
         acc = _step(acc, tile, xw, BLOCK_M, K_MAJOR, IEEE)
-        if ACT != 0:
+        if ACT != "none":
             acc_u = _step(acc_u, tile_u, xw, BLOCK_M, K_MAJOR, IEEE)
     y = _finish(acc, K_MAJOR)
     up = _finish(acc_u, K_MAJOR)
@@ -154,12 +145,12 @@ def _epilogue(y, up, ss, out, bias, res, rm, m_ok, rn, ru, n_ok, K, eps, stride_
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if HAS_BIAS:
         y += tl.load(bias + rn * stride_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT != 0:
+    if ACT != "none":
         if NORM:
             up = up * (1.0 / tl.sqrt(ss / K + eps))[:, None]
         if HAS_BIAS:
             up += tl.load(bias + ru * stride_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = _act(y, ACT) * up
+        y = act_and_mul(y, up, ACT)
     ok = m_ok[:, None] & n_ok[None, :]
     if RESIDUAL:
         y += tl.load(res + rm[:, None] * stride_rm + rn[None, :] * stride_rn, mask=ok, other=0.0).to(tl.float32)
@@ -189,7 +180,7 @@ def _fused_rows_kernel(out, x, w, bias, nw, res, M, N, K, eps, stride_xm, stride
         if NORM:
             ss += tl.sum(xk * xk, axis=1)
         acc = _step(acc, tile, xw, BLOCK_M, K_MAJOR, IEEE)
-        if ACT != 0:
+        if ACT != "none":
             acc_u = _step(acc_u, _tile(w, k0 + kk, ru, K, n_ok, stride_wn, stride_wk, K_MAJOR), xw, BLOCK_M,
                           K_MAJOR, IEEE)
     _epilogue(acc, acc_u, ss, out, bias, res, rm, m_ok, rn, ru, n_ok, K, eps, stride_b, stride_rm, stride_rn,

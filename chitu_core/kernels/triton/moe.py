@@ -29,12 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
+from chitu_core.kernels.triton.activation import act_and_mul
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.moe_align import align
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 from chitu_core.kernels.triton.quant_matmul import TORCH_TO_TL, weight_tile
 
-SQRT_HALF = tl.constexpr(0.7071067811865476)
 ACTIVATIONS = ("silu", "gelu")
 
 # ----- moe_route -----
@@ -149,16 +149,6 @@ def use_slot_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
     """Per-slot matrix-vector products while slots rarely share an expert (one token's slots never
     do): about one pair of T * top_k slots in E / 4 shares one when T * top_k <= E / 4."""
     return num_tokens == 1 or num_tokens * top_k <= num_experts // 4
-
-
-@triton.jit
-def act_and_mul(gate, up, ACT: tl.constexpr):
-    """act(gate) * up in float32 (the gate/up GEMMs' epilogue)."""
-    if ACT == "silu":
-        act = gate * tl.sigmoid(gate)
-    else:
-        act = 0.5 * gate * (1.0 + tl.math.erf(gate * SQRT_HALF))
-    return act * up
 
 
 @triton.jit
