@@ -10,6 +10,7 @@ the rows are added once, after the loop.
 
 Split-K without a second launch (``split_k.finish_split``): the last slice of a column block to finish
 adds every slice's float32 partial sums in order (deterministic), with the bias. Tiles: ``gemv_config``.
+Dependent launch (``pdl``) with the first words loaded before the wait, as ``dense_gemv``.
 """
 
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import num_compute_units
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 from chitu_core.kernels.triton.split_k import finish_split, row_slice, row_split
 
 
@@ -60,7 +62,7 @@ def _int4_gemv_kernel(
     out, partials, counters, x, qweight, scales, zeros, bias, N, K, k_per_split, split,
     stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_b,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK_K // 8
     rn, n_ok, k_lo, k_hi = row_slice(N, K, k_per_split, BLOCK_N)
@@ -69,6 +71,7 @@ def _int4_gemv_kernel(
     # the next tile's words are loaded before this one is used
     acc2 = tl.zeros((R, BLOCK_N), dtype=tl.float32)
     nxt = tl.load(w_cols + (k_lo // 8 + ri).to(tl.int64)[:, None] * stride_qk, mask=n_ok[None, :], other=0)
+    gdc_enter(PDL)  # the first words are weights, which no earlier kernel writes
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w = nxt
         rows = k0 // 8 + ri
@@ -105,5 +108,5 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         out, plan.partials, plan.counters, row, qweight, scales, zeros, b, n, k, plan.k_per_split, plan.split,
         row.stride(0), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0),
         GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device))
     return out.reshape(*x.shape[:-1], n)

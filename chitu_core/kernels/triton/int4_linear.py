@@ -10,7 +10,8 @@ x's dtype too), and meets the contiguous [BLOCK_M, BLOCK_K] tile of x in one tl.
 accumulation. Where a K tile lies in one group (G % BLOCK_K == 0) the scale multiplies the tile's
 product; otherwise each weight row is scaled before the product (then rounded to a 16-bit x's dtype:
 groups under BLOCK_K cost that rounding). Split-K partial sums are added in order by the last slice of
-each tile (``split_k.finish_split``: deterministic, no second launch). Tiles: ``int4_config``.
+each tile (``split_k.finish_split``: deterministic, no second launch). Tiles: ``int4_config``. Both
+kernels launch dependent (``pdl``).
 """
 
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import triton.language as tl
 
 from chitu_core.kernels.triton.common import as_rows, num_compute_units
 from chitu_core.kernels.triton.gemv import GemvConfig, int4_gemv
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, split_counters
 
 
@@ -53,9 +55,10 @@ def _int4_kernel(
     out, partials, counters, x, qweight, scales, zeros, bias, M, N, K, group_size, k_per_split, split,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_TILE: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = sum over K of x[m, k] * W[n, k] (+ bias), this program's slice of K."""
+    gdc_enter(PDL)
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,5 +140,5 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_TILE=group_size % cfg.block_k == 0,
         SPLIT_K=split > 1, HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # ignored for 16-bit operands
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device))
     return out.reshape(*x.shape[:-1], n)

@@ -17,7 +17,8 @@ spreads the weight over enough programs to keep every multiprocessor streaming i
 is read once. ``DOT`` picks ``tl.dot`` (GEMM and M of a few tokens and more) or a broadcast multiply
 and reduction along K in registers (M of one or two). With SPLIT_K > 1 each program writes float32
 partial sums and the last slice of each output tile adds them in order (``split_k.finish_split``:
-deterministic, no second launch), with the bias and the cast. Tile sizes: ``matmul_config``. The launch reads nothing back from the device (graph-safe).
+deterministic, no second launch), with the bias and the cast. Tile sizes: ``matmul_config``. The launch
+reads nothing back from the device (graph-safe), and is dependent (``pdl``) where the device allows.
 """
 
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from chitu_core.kernels.triton.act_quant import (
     quantize_tile,
 )
 from chitu_core.kernels.triton.common import as_rows, num_compute_units, pow2
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, split_counters
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -105,8 +107,9 @@ def _quant_matmul_kernel(
     W_KIND: tl.constexpr, A_MODE: tl.constexpr, W_BLOCKS: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr,
     QMAX: tl.constexpr, CT: tl.constexpr, ACC_T: tl.constexpr, W_FACTOR: tl.constexpr, DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    gdc_enter(PDL)
     INLINE: tl.constexpr = A_MODE == "fp8" or A_MODE == "int8"
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -215,7 +218,7 @@ def quant_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bi
         QMAX=INT8_MAX if act_quant == "int8" else FP8_MAX, CT=ct, ACC_T=acc_t,
         W_FACTOR=FP8_BYTES_FACTOR if w_kind == "fp8_bytes" else 1.0, DOT=dot, HAS_BIAS=bias is not None,
         PARTIALS=split > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device))
     return out.view(*x.shape[:-1], n)
 
 
