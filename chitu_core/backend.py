@@ -207,7 +207,8 @@ class Backend(ABC):
 
     def fusion_max_tokens(self) -> int | None:
         """(1.9) Optional: the most tokens a step may have for the model's layers to take the decode-step
-        fusions (``ops.rms_norm_linear``, ``ops.linear_add``), where your ops serve both. A layer that takes
+        fusions (``ops.rms_norm_linear``, ``ops.linear_add``), where your ops serve both; (1.10) and for
+        multi-head latent attention to take ``ops.mla_inputs``, where your ops serve it. A layer that takes
         them keeps the residual stream whole and adds into it after each product; where your fused kernel
         covers only a few rows, the others pay an add of their own, which ``fused_add_rms_norm`` spared them:
         say how many rows it covers. Default: None, any number (the fused ops are as fast at every size)."""

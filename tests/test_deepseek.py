@@ -113,6 +113,23 @@ def test_last_token_logits_match_transformers(pair):
     assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
 
 
+def test_latent_attention_takes_mla_inputs_and_agrees_without_it(pair):
+    """The CPU backend serves contract 1.10's mla_inputs, so the comparisons with transformers judge that path;
+    the rotary, product, norm and concatenations it replaces (a backend without it) give the same logits."""
+    name, _, _, llm = pair
+    attns = [layer.self_attn for layer in llm.engine.model.model.layers]
+    assert all(a.fused_inputs and a.fusion_max_tokens is None for a in attns)
+    fused = batched_last_logits(llm, PROMPTS)
+    for a in attns:
+        a.fused_inputs = False
+    try:
+        unfused = batched_last_logits(llm, PROMPTS)
+    finally:
+        for a in attns:
+            a.fused_inputs = True
+    assert (fused - unfused).abs().max().item() <= 1e-5, name
+
+
 def test_greedy_continuations_match_transformers(pair):
     name, _, hf, llm = pair
     prompts = PROMPTS[1:3]

@@ -183,6 +183,15 @@ def linear_add_cases(dtype):  # contract 1.9
         yield (x, weight, strided(randn(n, dtype=dtype)) if with_bias else None, residual), {}, dtype
 
 
+def mla_inputs_cases(dtype):  # contract 1.10
+    for t, h, n, r, lora, is_neox in [(1, 2, 8, 4, 16, False), (3, 3, 12, 6, 20, True)]:
+        cache = cos_sin_cache(50, r)
+        q = randn(t, h * (n + r), dtype=dtype).view(t, h, n + r)
+        kv = strided(randn(t, lora + r, dtype=dtype, scale=3.0))
+        w_uk, norm_w = randn(h, n, lora, dtype=dtype, scale=0.3), (1 + randn(lora, scale=0.3)).to(dtype)
+        yield (q, kv, w_uk, norm_w, 1e-6, torch.randint(0, 50, (t,)), cache, is_neox), {}, dtype
+
+
 def embedding_cases(dtype):
     weight = transposed(randn(11, 6, dtype=dtype))
     yield (torch.randint(0, 11, (1,)), weight), {}, dtype
@@ -247,7 +256,7 @@ CASES = {name: globals()[f"{name}_cases"] for name in OP_NAMES if f"{name}_cases
 MOE_OPS = {"moe_route", "fused_experts", "fused_experts_fp8"}  # test_moe_ops.py, test_quant_moe.py: ids as sets, sums by NMSE
 QUANT_OPS = {"int4_linear", "int8_linear", "fp8_linear", "gguf_linear"}  # tests/test_quant_*.py, test_triton_*.py
 FLOAT32_ONLY = {"apply_top_k_top_p", "apply_min_p", "apply_penalties", "random_sample"}  # the contract takes float32 there
-SUMMED = {"rms_norm_linear", "linear_add"}  # bfloat16: a sum rounded two or three ways, judged by NMSE in conformance
+SUMMED = {"rms_norm_linear", "linear_add", "mla_inputs"}  # bfloat16: a sum rounded two or three ways, judged by NMSE in conformance
 
 
 def test_every_op_has_a_case():

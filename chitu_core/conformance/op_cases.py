@@ -16,7 +16,7 @@ import torch
 
 from chitu_core.conformance.case import Case, Outcome, Target, nbytes, randn, raised, time_call
 from chitu_core.conformance.compare import Verdict, check_tensor, compare, compare_argmax, worst
-from chitu_core.conformance.fused_cases import linear_add, rms_norm_linear  # noqa: F401
+from chitu_core.conformance.fused_cases import linear_add, mla_inputs, rms_norm_linear  # noqa: F401
 from chitu_core.conformance.guards import guard, poison_allocator
 from chitu_core.conformance.moe_cases import (  # noqa: F401
     by_expert_id,

@@ -15,6 +15,10 @@ matrices are split out of kv_b_proj once, after loading (``process_weights_after
 
 Tensor parallelism splits heads: the query projection and kv_b_proj by output rows, o_proj by input
 columns; kv_a_proj_with_mqa and the latent are the same on every rank.
+
+Where the backend serves ``ops.mla_inputs`` itself (contract 1.10), steps of at most
+``Backend.fusion_max_tokens`` tokens make the absorbed query and the latent in that one op instead of
+the rotary, the product with W_UK, the norm and the two concatenations.
 """
 
 import torch
@@ -59,6 +63,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_dim), ctx)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, ctx, bias=bias)
         self.rotary, self.scale, self.layer_idx, self.attention = rotary, scale, layer_idx, ctx.attention
+        self.ops, self.fusion_max_tokens = ctx.ops, ctx.fusion_max_tokens
+        self.fused_inputs = ctx.ops.sources["mla_inputs"].kind != "fallback" and not self.kv_a_layernorm.offset
         # An fp8 cache's scale for the whole latent row (contract 1.2); None for a model-dtype cache.
         self.register_buffer("kv_scale", ctx.attention.new_kv_scale(), persistent=False)
         self.register_buffer("w_uk", None, persistent=False)  # [H, nope, L], by process_weights_after_loading
@@ -81,6 +87,20 @@ class MultiHeadLatentAttention(nn.Module):
         self.w_uk = w[:, : self.nope].contiguous()
         self.w_uv = w[:, self.nope :].transpose(1, 2).contiguous()
 
+    def _inputs(self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, nope + R] and kv [T, L + R] -> the absorbed query [T, H, L + R] and the latent [T, L + R]."""
+        t, r, lora, norm = q.shape[0], self.rope_dim, self.kv_lora_rank, self.kv_a_layernorm
+        if self.fused_inputs and (self.fusion_max_tokens is None or t <= self.fusion_max_tokens):
+            return self.ops.mla_inputs(q, kv, self.w_uk, norm.weight, norm.eps, positions, self.rotary.cos_sin_cache,
+                                       self.rotary.is_neox)
+        q_nope, q_pe = q.split([self.nope, r], dim=-1)
+        compressed, k_pe = kv.split([lora, r], dim=-1)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(t, 1, r))
+        # The per-head products are batched matmuls over heads; torch.bmm runs on every backend's torch device.
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
+        latent = torch.cat((norm(compressed), k_pe.view(t, r)), dim=-1)  # [T, L + R]
+        return torch.cat((q_latent, q_pe), dim=-1), latent
+
     def defer_reduce(self) -> None:
         """Return this rank's partial output, unsummed (see ``RowParallelLinear.reduce``)."""
         self.o_proj.reduce = False
@@ -89,17 +109,11 @@ class MultiHeadLatentAttention(nn.Module):
         if self.w_uk is None:
             raise RuntimeError("MultiHeadLatentAttention ran before its process_weights_after_loading split kv_b_proj; "
                                "call the model's process_weights_after_loading() once its weights are in place")
-        t, h, r, lora = x.shape[0], self.num_heads, self.rope_dim, self.kv_lora_rank
+        t, h, r = x.shape[0], self.num_heads, self.rope_dim
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(t, h, self.nope + r).split([self.nope, r], dim=-1)
-        compressed, k_pe = self.kv_a_proj_with_mqa(x).split([lora, r], dim=-1)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(t, 1, r))
-        # The per-head products are batched matmuls over heads; no op in the contract is one, and
-        # torch.bmm runs on every backend's torch device.
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
-        latent = torch.cat((self.kv_a_layernorm(compressed), k_pe.view(t, r)), dim=-1)  # [T, L + R]
+        q_attn, latent = self._inputs(positions, q.view(t, h, self.nope + r), self.kv_a_proj_with_mqa(x))
         fp8 = {} if self.kv_scale is None else {"kv_scale": self.kv_scale}
-        out = self.attention.forward(torch.cat((q_latent, q_pe), dim=-1), latent,
-                                     step.kv_caches[self.layer_idx], step.meta, self.scale, **fp8)  # [T, H, L]
+        out = self.attention.forward(q_attn, latent, step.kv_caches[self.layer_idx], step.meta, self.scale,
+                                     **fp8)  # [T, H, L]
         out = torch.bmm(out.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(t, h * self.v_dim))

@@ -249,6 +249,22 @@ class OpSet(Protocol):
         ``residual + linear(x, weight, bias)``; the float32 product may be added to the residual before
         rounding (once) rather than after."""
 
+    # --- contract 1.10: multi-head latent attention's inputs in one op (layers call it where the backend
+    # serves it itself, for steps of at most ``Backend.fusion_max_tokens`` tokens) ---
+
+    def mla_inputs(self, q: Tensor, kv: Tensor, w_uk: Tensor, kv_norm_weight: Tensor, eps: float,
+                   positions: Tensor, cos_sin_cache: Tensor, is_neox: bool) -> tuple[Tensor, Tensor]:
+        """The absorbed query and the latent of multi-head latent attention, from its projections.
+
+        q: [T, H, N + R], each head's N channels without position then its R rotary ones (R the width
+        of cos_sin_cache); kv: [T, L + R], the compressed KV then the one rotary key all heads share;
+        w_uk: [H, N, L], each head's key up-projection; kv_norm_weight: [L]; positions, cos_sin_cache
+        and is_neox as ``rotary_embedding``. Returns (q_attn [T, H, L + R], latent [T, L + R]) in
+        q.dtype: q_attn[t, h] = (q[t, h, :N] @ w_uk[h], the rotated q[t, h, N:]) and latent[t] =
+        (rms_norm(kv[t, :L], kv_norm_weight, eps), the rotated kv[t, L:]), what the MLA attention
+        takes. Each part computed in float32 and rounded to q.dtype once, except that the normed kv
+        may be rounded before its product with the weight, as ``rms_norm`` may do."""
+
 
 OP_NAMES: tuple[str, ...] = tuple(
     name for name in OpSet.__dict__ if not name.startswith("_") and callable(OpSet.__dict__[name])

@@ -15,6 +15,8 @@ One module per kernel family, each a launcher that matches its contract op exact
   moe_fp8.py          fused_experts_fp8 (contract 1.3): moe.py's two paths over FP8 weights with block or
                       channel scales, read as float8 or as bytes decoded in registers
   mla_attention.py    multi-head latent attention over the latent cache (contract 1.1)
+  mla_inputs.py       mla_inputs (contract 1.10): MLA's absorbed query and latent in one launch (the NVIDIA
+                      backend's, for its one-token steps)
   int4_linear.py      int4_linear (AWQ/GPTQ/in-situ int4 after repacking): tl.dot tiles for several rows
   gemv.py             int4_linear's matrix-vector kernel for one row (batch-1 decode)
   dense_gemv.py       a 16-bit or float32 linear's matrix-vector kernel for one row (the NVIDIA backend's

@@ -15,7 +15,7 @@ from chitu_cpu.mla import CpuSdpaMLAAttention
 class CpuBackend(Backend):
     name = "cpu"
     device_type = "cpu"
-    contract_version = "1.9"  # 1.9: the decode-step fusions (ops.rms_norm_linear, ops.linear_add)
+    contract_version = "1.10"  # 1.9: the decode-step fusions (ops.rms_norm_linear, ops.linear_add); 1.10: ops.mla_inputs
     priority = 0  # any accelerator backend should win under device="auto"
 
     def is_available(self) -> Availability:

@@ -4,7 +4,9 @@ linear goes to cuBLAS, or to cuBLASLt for the batch sizes where its kernels are 
 with an output of up to ``MAX_GEMV_N`` to the Triton matrix-vector kernel. The decode-step fusions
 (contract 1.9: ``rms_norm_linear``, ``linear_add``) take the fused matrix-vector kernel at batch 1 for
 weights of up to ``MAX_FUSED_N`` outputs, and up to ``fused_gemv.MAX_ROWS`` rows for small weights
-(``MAX_FUSED_ROWS_WEIGHT``); else the unfused ops. Before
+(``MAX_FUSED_ROWS_WEIGHT``); else the unfused ops. ``mla_inputs`` (contract 1.10) is the portable Triton
+kernel, served here rather than by every Triton backend: its per-head matrix-vector products suit decode
+steps (``fusion_max_tokens``), not a prefill's thousands of tokens. Before
 Ada/Hopper (compute capability 8.9) there are no FP8 types, so the FP8 linears and experts decode the
 bytes in registers. Sampling filters and penalties stay reference fallbacks until on-device sampling
 kernels land.
@@ -94,13 +96,15 @@ def nvidia_ops() -> dict[str, Callable]:
     from chitu_core.kernels.triton.activation import gelu_and_mul, silu_and_mul
     from chitu_core.kernels.triton.dense_gemv import dense_gemv
     from chitu_core.kernels.triton.fused_gemv import MAX_ROWS, fused_gemv
+    from chitu_core.kernels.triton.mla_inputs import mla_inputs
     from chitu_core.kernels.triton.rms_norm import rms_norm
 
     _dense_gemv = dense_gemv
     _fused_gemv, _MAX_ROWS = (fused_gemv if MAX_FUSED_N > 0 else None), MAX_ROWS
     _unfused.update(rms_norm=rms_norm, silu_and_mul=silu_and_mul, gelu_and_mul=gelu_and_mul)
     pdl.allow()  # Hopper and newer: the decode path's kernels launch dependent (pdl.pdl_launch checks the device)
-    ops: dict[str, Callable] = {"linear": linear, "rms_norm_linear": rms_norm_linear, "linear_add": linear_add}
+    ops: dict[str, Callable] = {"linear": linear, "rms_norm_linear": rms_norm_linear, "linear_add": linear_add,
+                                "mla_inputs": mla_inputs}  # contract 1.10
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes
         from chitu_core.kernels.triton.moe_fp8 import fused_experts_fp8_bytes
