@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.testing
 
-from chitu_core.kernels.triton.moe import _slot_gemv_kernel
+from chitu_core.kernels.triton.moe import ExpertWeights, _slot_gemv_kernel
 
 DEV = torch.device("cuda")
 MODELS = {"deepseek-v2-lite": (64, 6, 2048, 1408), "qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
@@ -43,8 +43,9 @@ def main() -> None:
                     continue
                 def launch():
                     _slot_gemv_kernel[(top_k, triton.cdiv(n_out, bn))](
-                        out, a, w, ids, n_out, k_dim, rows, *a.stride(), *w.stride(), out.stride(0), *ids.stride(),
-                        TOP_K=top_k, GATED=gated, ACT="silu", BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                        out, a, w, a, ids, n_out, k_dim, rows, *a.stride(), *w.stride(), 0, 0, 0, out.stride(0),
+                        *ids.stride(), TOP_K=top_k, GATED=gated, ACT="silu", **ExpertWeights().consts(), BLOCK_N=bn,
+                        BLOCK_K=bk, PDL=False, num_warps=warps, num_stages=stages)
                 try:
                     launch()
                     ms = triton.testing.do_bench_cudagraph(launch)
