@@ -136,6 +136,18 @@ def profile_lines(check: dict[str, Any]) -> list[str]:
     return out
 
 
+def mla_inputs_lines(check: dict[str, Any]) -> list[str]:
+    """``plugins/nvidia/scripts/mla_inputs_check.py``: a model's greedy tokens and step logits with and without
+    contract 1.10's mla_inputs, prompt by prompt."""
+    lines = [f"{check['device']}, `{check['config']}` with dummy weights in bfloat16, prompts decoded one at a time.", "",
+             "| prompt | tokens equal | step logits NMSE, one path against the other | unfused top-2 gap where they part |",
+             "|---|---|---|---|"]
+    for i, r in enumerate(check["rows"]):
+        gap = "-" if r["top2_gap_at_parting"] is None else f"{r['top2_gap_at_parting']:.3g}"
+        lines.append(f"| {i} | {r['equal_tokens']} / {r['of']} | {r['step_logits_nmse']:.2e} | {gap} |")
+    return lines
+
+
 def render(directory: Path) -> str:
     files = sorted(directory.glob("*.json"))
     loaded = {f.stem: json.loads(f.read_text()) for f in files}
@@ -210,6 +222,9 @@ def render(directory: Path) -> str:
                       "", *breakdown_lines(r), ""]
     if check and profile_lines(check):
         lines += ["## Decode profile (torch.profiler, graphs replayed)", "", *profile_lines(check), ""]
+    if "mla_inputs_check" in loaded:
+        lines += ["## Latent attention with and without `mla_inputs` (`plugins/nvidia/scripts/mla_inputs_check.py`)", "",
+                  *mla_inputs_lines(loaded["mla_inputs_check"]), ""]
     for name, r in loaded.items():
         if "speed" in r and "nmse" in r:
             lines += ["## Quantized against 16-bit (in situ, same random weights)", "", *quant_check_lines(name, r), ""]
