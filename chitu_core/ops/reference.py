@@ -101,11 +101,13 @@ def linear_add(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor)
 
 
 def mla_inputs(q: Tensor, kv: Tensor, w_uk: Tensor, kv_norm_weight: Tensor, eps: float, positions: Tensor,
-               cos_sin_cache: Tensor, is_neox: bool) -> tuple[Tensor, Tensor]:  # contract 1.10
+               cos_sin_cache: Tensor, is_neox: bool, *, rotary=None, norm=None) -> tuple[Tensor, Tensor]:  # contract 1.10
+    """``rotary`` and ``norm``: a backend's ``rotary_embedding`` and ``rms_norm`` to compose instead of these."""
+    rotary, norm = rotary or rotary_embedding, norm or rms_norm
     nope, lora = w_uk.shape[1], w_uk.shape[2]
-    q_pe, k_pe = rotary_embedding(positions, q[..., nope:], kv[:, None, lora:], cos_sin_cache, is_neox)
+    q_pe, k_pe = rotary(positions, q[..., nope:], kv[:, None, lora:], cos_sin_cache, is_neox)
     q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
-    latent = torch.cat((rms_norm(kv[:, :lora], kv_norm_weight, eps), k_pe[:, 0]), dim=-1)
+    latent = torch.cat((norm(kv[:, :lora], kv_norm_weight, eps), k_pe[:, 0]), dim=-1)
     return torch.cat((q_latent, q_pe), dim=-1), latent
 
 

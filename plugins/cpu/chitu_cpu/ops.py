@@ -75,13 +75,10 @@ def linear_add(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor)
 
 def mla_inputs(q: Tensor, kv: Tensor, w_uk: Tensor, kv_norm_weight: Tensor, eps: float, positions: Tensor,
                cos_sin_cache: Tensor, is_neox: bool) -> tuple[Tensor, Tensor]:
-    """Contract 1.10, as the MLA layer's unfused ops compute it: the rotary, one batched product over the
-    heads, the norm and the two concatenations."""
-    nope, lora = w_uk.shape[1], w_uk.shape[2]
-    q_pe, k_pe = rotary_embedding(positions, q[..., nope:], kv[:, None, lora:], cos_sin_cache, is_neox)
-    q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
-    latent = torch.cat((rms_norm(kv[:, :lora], kv_norm_weight, eps), k_pe[:, 0]), dim=-1)
-    return torch.cat((q_latent, q_pe), dim=-1), latent
+    """Contract 1.10, as the MLA layer's unfused ops compute it: the reference's composition (the rotary, one
+    batched product over the heads, the norm, two concatenations) of this backend's rotary and norm."""
+    return reference.mla_inputs(q, kv, w_uk, kv_norm_weight, eps, positions, cos_sin_cache, is_neox,
+                                rotary=rotary_embedding, norm=rms_norm)
 
 
 def embedding(ids: Tensor, weight: Tensor) -> Tensor:

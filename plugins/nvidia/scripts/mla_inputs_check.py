@@ -38,6 +38,7 @@ def decode_all(llm, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
 
 def main() -> int:
     from chitu_core import LLM
+    from chitu_core.bench.report import mla_inputs_lines
 
     path = sys.argv[1]
     llm = LLM(path, device="nvidia", dtype="bfloat16", load_format="dummy", max_model_len=256, max_num_seqs=4,
@@ -60,13 +61,9 @@ def main() -> int:
             top = log_u[same].topk(2).values
             gap = float(top[0] - top[1])
         rows.append({"equal_tokens": same, "of": len(tok_f), "step_logits_nmse": nmse, "top2_gap_at_parting": gap})
-    out = Path(os.environ.get("OUT", ".")) / "mla_inputs_check.json"
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "config": path, "rows": rows}, indent=1))
-    print("| prompt | tokens equal | step logits NMSE (fused vs unfused) | unfused top-2 gap where they part |")
-    print("|---|---|---|---|")
-    for i, r in enumerate(rows):
-        gap = "-" if r["top2_gap_at_parting"] is None else f"{r['top2_gap_at_parting']:.3g}"
-        print(f"| {i} | {r['equal_tokens']} / {r['of']} | {r['step_logits_nmse']:.2e} | {gap} |")
+    result = {"device": torch.cuda.get_device_name(), "config": path, "rows": rows}
+    (Path(os.environ.get("OUT", ".")) / "mla_inputs_check.json").write_text(json.dumps(result, indent=1))
+    print("\n".join(mla_inputs_lines(result)))  # the table `bench report` puts on the page
     return 0
 
 
