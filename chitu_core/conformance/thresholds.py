@@ -85,7 +85,8 @@ _ACCUMULATED = _per_dtype("nmse", dict(limit=1e-9, rtol=1e-4), dict(limit=5e-5, 
 FAMILIES: dict[str, Family] = {
     "norm": Family("close", ("rms_norm", "fused_add_rms_norm", "all_reduce_add_rms_norm", "offset_rms_norm",
                             "fused_add_offset_rms_norm", "layer_norm"),
-                   "float32 normalisation, rounded to the dtype, times the weight", _ROUNDED),
+                   "float32 normalisation times the weight, rounded once (or the normalised row rounded to the "
+                   "dtype before the weight, as transformers' Llama norm does)", _ROUNDED),
     "rotary": Family("close", ("rotary_embedding",), "float32 rotation rounded once", _ROUNDED),
     "activation": Family("close", ("silu_and_mul", "gelu_and_mul"), "activation and product, each rounded", _ROUNDED),
     "logits": Family("close", ("apply_temperature", "apply_penalties", "log_softmax"),

@@ -10,12 +10,18 @@ Tensor = torch.Tensor
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+    """In float32, times weight, rounded once (as the Triton kernel: closer to float32 than rounding
+    the normalised row before the weight, as transformers' Llama norm does)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    total = x + residual
-    return rms_norm(total, weight, eps), total
+    """The norm of x + residual as summed in float32; the sum returned rounded to x.dtype."""
+    if x.dtype == torch.float32:
+        total = x + residual
+        return rms_norm(total, weight, eps), total
+    total = x.float() + residual.float()
+    return F.rms_norm(total, (x.shape[-1],), weight.float(), eps).to(x.dtype), total.to(x.dtype)
 
 
 def offset_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
