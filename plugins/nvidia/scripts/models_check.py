@@ -6,8 +6,11 @@ DeepSeek-V2, DeepSeek-V3) from the configs below; any other installed architectu
 ``conformance_config()`` (its family's features: soft-capping, sliding windows, partial rotary, ...)
 at the sizes below. Then, on those same weights:
 
-  (a) ours in bfloat16 (LLM(device="nvidia")) against transformers in float32: mean last-token logits
-      NMSE of 32 prompts, to be no worse than transformers' own bfloat16 against its float32;
+  (a) ours in bfloat16 (LLM(device="nvidia")) against transformers in float32: last-token logits NMSE of
+      ``NMSE_PROMPTS`` prompts, its mean and its median each no worse than transformers' own bfloat16
+      against its float32 (a mixture of experts' mean is dominated by the few prompts where a router
+      near-tie flips an expert, in either run: over 32 prompts its verdict changed between machines, so
+      128 are taken, and the median too, which no single flip moves);
   (b) 64 greedy tokens of 8 prompts, ours (bf16) against transformers (float32): equal, or the first
       divergence falls on a near-tie (``near_tie``: within two bf16 ulps, within three sigmas of
       transformers-bf16's own error there, or transformers-bf16 ranks the two otherwise too), or, for a
@@ -25,6 +28,7 @@ Writes NAME.json (default models_check) under $OUT; prints a table last.
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +40,7 @@ import routing_ties  # noqa: E402
 
 DEV = torch.device("cuda")
 OUT = Path(os.environ.get("OUT", "."))
-VOCAB, STEPS = 2048, 64
+VOCAB, STEPS, NMSE_PROMPTS = 2048, 64, 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
               max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
 YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
@@ -170,8 +174,9 @@ def check(arch: str) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 33, 64, 80, 100, 128, 200)]
     batch_prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in torch.randint(3, 200, (16,), generator=g)]
-    extra = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 250, (24,), generator=g)]
-    first = prefill_logits(path, prompts + extra)  # NMSE over 32 prompts; greedy runs the first 8
+    extra = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist()
+             for n in torch.randint(3, 250, (NMSE_PROMPTS - len(prompts),), generator=g)]
+    first = prefill_logits(path, prompts + extra)  # NMSE over all; greedy runs the first 8
     mine = greedy_and_batching(path, "bfloat16", prompts, batch_prompts)
     batch_fp32 = greedy_and_batching(path, "float32", prompts[:1], batch_prompts)["batch_equal_prefix"]
     rows = []
@@ -222,11 +227,14 @@ def check(arch: str) -> dict:
     ours = [r["ours_nmse"] for r in rows] + [nmse(first[len(prompts) + j], fp32_extra[j]) for j in range(len(extra))]
     theirs = [r["hf_bf16_nmse"] for r in rows] + [nmse(bf16[len(prompts) + j], fp32_extra[j]) for j in range(len(extra))]
     ours_mean, hf_mean = sum(ours) / len(ours), sum(theirs) / len(theirs)
+    ours_median, hf_median = statistics.median(ours), statistics.median(theirs)
     greedy_ok = all(r["equal_prefix"] == STEPS or r["near_tie"] or r.get("routing_explains") for r in rows)
     del hf
     gc.collect()
     torch.cuda.empty_cache()
-    return dict(arch=arch, rows=rows, ours_nmse=ours_mean, hf_bf16_nmse=hf_mean, nmse_ok=ours_mean <= hf_mean,
+    return dict(arch=arch, rows=rows, ours_nmse=ours_mean, hf_bf16_nmse=hf_mean, ours_nmse_median=ours_median,
+                hf_bf16_nmse_median=hf_median, nmse_prompts=len(ours),
+                nmse_ok=ours_mean <= hf_mean and ours_median <= hf_median,
                 greedy_ok=greedy_ok, batch_bf16=mine["batch_equal_prefix"], batch_fp32=batch_fp32, graphs=mine["graphs"],
                 attention=mine["attention"], fallback=mine["fallback"])
 
