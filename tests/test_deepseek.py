@@ -130,6 +130,34 @@ def test_latent_attention_takes_mla_inputs_and_agrees_without_it(pair):
     assert (fused - unfused).abs().max().item() <= 1e-5, name
 
 
+def test_latent_attention_takes_the_decode_step_fusions_and_agrees_without_them(pair):
+    """On one rank with dense weights the query's first projection and kv_a_proj_with_mqa become views of one
+    matrix (biases too, V2's), so the CPU backend's layers run the input norm in that product's prologue and
+    the residual add in o_proj's epilogue (contract 1.9), and MoE layers add the residual in their shared
+    experts' down product; the unfused layers give the same logits."""
+    name, _, _, llm = pair
+    layers = llm.engine.model.model.layers
+    for layer in layers:
+        attn = layer.self_attn
+        first = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+        rows = first.weight.shape[0]
+        assert first.weight.data_ptr() == attn.input_weight.data_ptr(), name
+        assert attn.kv_a_proj_with_mqa.weight.data_ptr() == attn.input_weight[rows:].data_ptr(), name
+        assert (attn.input_bias is not None) == (name == "v2"), name
+        assert layer.takes_fusions(len(PROMPTS[2])), name
+    moe = [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
+    assert all(m.fuses() for m in moe if m.shared_experts is not None), name  # shared experts: fused path
+    fused = batched_last_logits(llm, PROMPTS)
+    for layer in layers:
+        layer.fusions = False
+    try:
+        unfused = batched_last_logits(llm, PROMPTS)
+    finally:
+        for layer in layers:
+            layer.fusions = True
+    assert (fused - unfused).abs().max().item() <= 1e-5, name
+
+
 def test_greedy_continuations_match_transformers(pair):
     name, _, hf, llm = pair
     prompts = PROMPTS[1:3]

@@ -19,6 +19,13 @@ columns; kv_a_proj_with_mqa and the latent are the same on every rank.
 Where the backend serves ``ops.mla_inputs`` itself (contract 1.10), steps of at most
 ``Backend.fusion_max_tokens`` tokens make the absorbed query and the latent in that one op instead of
 the rotary, the product with W_UK, the norm and the two concatenations.
+
+The decode-step fusions of contract 1.9 (``forward_fused``, taken by ``DecoderLayer`` as for regular
+attention): on one rank with dense weights, the query's first projection (``q_proj`` or ``q_a_proj``)
+and ``kv_a_proj_with_mqa`` read the same normed input, so after loading their weights are made views of
+one [q + L + R, hidden] matrix; the layer's input norm runs in that one product's prologue
+(``ops.rms_norm_linear``), ``q_a_layernorm`` in ``q_b_proj``'s, and the residual add in ``o_proj``'s
+epilogue (``ops.linear_add``).
 """
 
 import torch
@@ -69,6 +76,35 @@ class MultiHeadLatentAttention(nn.Module):
         self.register_buffer("kv_scale", ctx.attention.new_kv_scale(), persistent=False)
         self.register_buffer("w_uk", None, persistent=False)  # [H, nope, L], by process_weights_after_loading
         self.register_buffer("w_uv", None, persistent=False)  # [H, L, v]
+        self.register_buffer("input_weight", None, persistent=False)  # [q + L + R, hidden], where merged
+        self.register_buffer("input_bias", None, persistent=False)  # [q + L + R], where merged and biased
+
+    def _first_projections(self) -> tuple[LinearBase, LinearBase]:
+        return (self.q_proj if self.q_lora_rank is None else self.q_a_proj), self.kv_a_proj_with_mqa
+
+    def _merge_inputs(self) -> None:
+        """Make the query's first projection and kv_a_proj_with_mqa views of one weight (``input_weight``,
+        and ``input_bias`` where both have biases), where both are dense and whole on this rank
+        (``LinearBase.fuses``)."""
+        first, kv_a = self._first_projections()
+        if not (first.fuses() and kv_a.fuses()) or (first.bias is None) != (kv_a.bias is None):
+            return
+        rows = first.weight.shape[0]
+        for name in ("weight", "bias"):
+            if getattr(first, name) is not None:
+                merged = torch.cat((getattr(first, name).detach(), getattr(kv_a, name).detach()))
+                getattr(first, name).data, getattr(kv_a, name).data = merged[:rows], merged[rows:]
+                setattr(self, f"input_{name}", merged)
+
+    def fuses(self) -> bool:
+        """Whether ``forward_fused`` may serve (``DecoderLayer.takes_fusions``): the input projections were
+        merged, the other projections take the fusions, and a subclass that changes ``forward`` changes
+        ``forward_fused`` too."""
+        cls, base = type(self), MultiHeadLatentAttention
+        first, kv_a = self._first_projections()
+        return (self.input_weight is not None and first.fuses() and kv_a.fuses() and self.o_proj.fuses()
+                and (self.q_lora_rank is None or self.q_b_proj.fuses())
+                and (cls.forward is base.forward or cls.forward_fused is not base.forward_fused))
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj's weight into per-head W_UK [H, nope, L] and W_UV [H, L, v], contiguous. A quantized
@@ -86,6 +122,7 @@ class MultiHeadLatentAttention(nn.Module):
         w = w.reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         self.w_uk = w[:, : self.nope].contiguous()
         self.w_uv = w[:, self.nope :].transpose(1, 2).contiguous()
+        self._merge_inputs()
 
     def _inputs(self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, nope + R] and kv [T, L + R] -> the absorbed query [T, H, L + R] and the latent [T, L + R]."""
@@ -106,14 +143,29 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj.reduce = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.o_proj(self._attend(positions, q, self.kv_a_proj_with_mqa(x), step))
+
+    def forward_fused(self, positions: torch.Tensor, stream: torch.Tensor, norm: RMSNorm,
+                      step: StepContext) -> torch.Tensor:
+        """The residual stream after this sublayer: ``stream`` + forward(norm(stream)), with the norm in the
+        merged input product's prologue and the add in o_proj's epilogue (contract 1.9; see the module)."""
+        inputs = self.ops.rms_norm_linear(stream, norm.weight, norm.eps, self.input_weight, self.input_bias)
+        q, kv = inputs.split([inputs.shape[-1] - self.kv_lora_rank - self.rope_dim, self.kv_lora_rank + self.rope_dim],
+                             dim=-1)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(q, norm=self.q_a_layernorm)
+        return self.o_proj(self._attend(positions, q, kv, step), residual=stream)
+
+    def _attend(self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """q [T, H * (nope + R)] and kv [T, L + R] -> the heads' outputs [T, H * v], before o_proj."""
         if self.w_uk is None:
             raise RuntimeError("MultiHeadLatentAttention ran before its process_weights_after_loading split kv_b_proj; "
                                "call the model's process_weights_after_loading() once its weights are in place")
-        t, h, r = x.shape[0], self.num_heads, self.rope_dim
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_attn, latent = self._inputs(positions, q.view(t, h, self.nope + r), self.kv_a_proj_with_mqa(x))
+        t, h, r = q.shape[0], self.num_heads, self.rope_dim
+        q_attn, latent = self._inputs(positions, q.view(t, h, self.nope + r), kv)
         fp8 = {} if self.kv_scale is None else {"kv_scale": self.kv_scale}
         out = self.attention.forward(q_attn, latent, step.kv_caches[self.layer_idx], step.meta, self.scale,
                                      **fp8)  # [T, H, L]
         out = torch.bmm(out.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(out.reshape(t, h * self.v_dim))
+        return out.reshape(t, h * self.v_dim)

@@ -36,7 +36,7 @@ from chitu_core.layers import (
 from chitu_core.layers.rotary import RopeConfig, yarn_mscale
 from chitu_core.layers.stage import build_lm_head
 from chitu_core.model import CausalLM, KVGeometry
-from chitu_models.llama import CONFORMANCE_SIZES, DecoderLayer, DecoderMLP, DecoderModel
+from chitu_models.llama import CONFORMANCE_SIZES, DecoderLayer, DecoderMLP, DecoderModel, overrides_both
 from chitu_models.mixtral import EXPERT_ACTIVATIONS
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -80,6 +80,18 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts
         return self.experts(x, self.gate(x), None if shared is None else lambda: shared(x))
+
+    def fuses(self) -> bool:
+        """Whether ``forward_fused`` may serve (``DecoderLayer``): the shared experts take the fusions."""
+        return self.shared_experts is not None and self.shared_experts.fuses() and overrides_both(self, DeepseekMoE)
+
+    def forward_fused(self, stream: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """The residual stream after this sublayer: the routed experts of norm(stream), plus the shared
+        experts' fused path (``DecoderMLP.forward_fused``: the norm in their gate/up product's prologue,
+        the activation in its epilogue, ``stream`` added in the down product's), so that no add of the
+        residual is left for the next layer."""
+        x, shared = norm(stream), self.shared_experts
+        return self.experts(x, self.gate(x), lambda: shared.forward_fused(stream, norm))
 
 
 class DeepseekV2ForCausalLM(CausalLM):

@@ -184,7 +184,7 @@ class DecoderLayer(nn.Module):
         self.mlp_partial = fuse and defer_reduce(mlp)
         self.input_partial = False
         self.fusions = (ctx.tp_size == 1 and not self.norm_offset and serves_fusions(ctx.ops)
-                        and isinstance(self_attn, DecoderAttention))
+                        and callable(getattr(self_attn, "forward_fused", None)))
         self.fusion_max_tokens = ctx.fusion_max_tokens
 
     def takes_fusions(self, tokens: int) -> bool:
@@ -200,7 +200,7 @@ class DecoderLayer(nn.Module):
         if self.takes_fusions(hidden.shape[0]):
             stream = hidden if residual is None else hidden + residual
             stream = self.self_attn.forward_fused(positions, stream, self.input_layernorm, step)
-            if isinstance(self.mlp, DecoderMLP) and self.mlp.fuses():
+            if callable(getattr(self.mlp, "forward_fused", None)) and self.mlp.fuses():
                 return self.mlp.forward_fused(stream, self.post_attention_layernorm), None
             return self.mlp(self.post_attention_layernorm(stream)), stream
         if residual is None:
