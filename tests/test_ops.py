@@ -164,6 +164,12 @@ def linear_cases(dtype):
         yield (x, weight, bias), {}, dtype
 
 
+def linear_float32_cases(dtype):  # contract 1.11: x in dtype, the weight float32, the output float32
+    for x_shape, n, layout in [((1, 64), 8, "contiguous"), ((7, 33), 5, "transposed"), ((2, 3, 16), 17, "strided")]:
+        x = LAYOUTS[layout](randn(*x_shape, dtype=dtype))
+        yield (x, transposed(randn(n, x_shape[-1], scale=0.2))), {}, torch.float32
+
+
 def rms_norm_linear_cases(dtype):  # contract 1.9
     for x_shape, n, layout, with_bias, act in [((1, 1), 2, "contiguous", True, None), ((7, 33), 6, "transposed", False, "silu"),
                                                ((2, 3, 16), 10, "strided", True, "gelu_tanh"), ((5, 31), 4, "contiguous", False, "gelu")]:

@@ -80,3 +80,17 @@ def test_dependent_launch_waits_for_a_backend_to_allow_it(monkeypatch):
         assert not pdl.pdl_launch(torch.device("cpu"))  # allowed, but not a device that launches dependent
     finally:
         pdl.allow(False)
+
+
+@pytest.mark.parametrize("config", [DenseGemvConfig(8, 256, 4), None], ids=["split", "default"])
+def test_a_bfloat16_row_through_a_float32_weight_gives_float32(config):
+    """linear_float32's path (contract 1.11): x widened as it is read, the float32 sums kept in a float32 output;
+    a router of 64 experts over a 2048 row, as DeepSeek-V2-Lite's."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(64, 2048, generator=gen) / 2048**0.5
+    x = torch.randn(1, 2048, generator=gen).to(torch.bfloat16)
+    got = dense_gemv(x, weight, config=config, out_dtype=torch.float32)
+    want = x.double() @ weight.double().t()
+    assert got.dtype == torch.float32 and got.shape == (1, 64)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6  # not the 1e-3 a bfloat16 output would give
+    assert not split_counters(x.device).any()

@@ -36,7 +36,8 @@ NINF = float("-inf")
 
 FLOAT32_ONLY = frozenset({"apply_top_k_top_p", "apply_min_p", "apply_penalties", "random_sample"})
 """Ops whose contract takes float32 operands: they have cases in the float32 column only."""
-FLOAT32_OUT = frozenset({"apply_temperature", "apply_top_k_top_p", "apply_min_p", "apply_penalties", "log_softmax"})
+FLOAT32_OUT = frozenset({"apply_temperature", "apply_top_k_top_p", "apply_min_p", "apply_penalties", "log_softmax",
+                         "linear_float32"})
 INDEX_OUT = frozenset({"greedy_sample", "random_sample"})
 OUT_DTYPES = {"moe_route": (torch.float32, torch.int64)}
 """Ops whose outputs differ in dtype: one per output."""
@@ -201,6 +202,25 @@ def linear(dtype) -> Iterator[Spec]:
             rows *= s
         yield Spec(f"M={'x'.join(map(str, m))} K={k} N={n}{' bias' if bias else ''} x {lx}, weight {lw}",
                    {"m": rows, "k": k, "n": n, "bias": bias}, make, flops=lambda host, r=rows, k=k, n=n: 2 * r * k * n)
+
+
+LINEAR_FLOAT32_SHAPES = [  # (leading dims of x, K, N, x layout, weight layout): DeepSeek-V2-Lite's and V3's routers,
+    ((1,), 2048, 64, "contiguous", "contiguous"), ((1,), 7168, 256, "padded", "contiguous"),  # odd sizes, batches
+    ((5,), 33, 7, "transposed", "transposed"), ((2, 3), 130, 160, "contiguous", "strided"),
+    ((32,), 2048, 64, "contiguous", "contiguous"),
+]
+
+
+def linear_float32(dtype) -> Iterator[Spec]:  # contract 1.11: x in the case's dtype, the weight float32
+    for m, k, n, lx, lw in LINEAR_FLOAT32_SHAPES:
+        def make(gen, m=m, k=k, n=n, lx=lx, lw=lw):
+            x, w = randn(gen, *m, k, dtype=dtype), randn(gen, n, k, dtype=torch.float32, scale=k**-0.5)
+            return [In(x, lx), In(w, lw)], {}
+        rows = 1
+        for s in m:
+            rows *= s
+        yield Spec(f"M={'x'.join(map(str, m))} K={k} N={n} x {lx}, float32 weight {lw}",
+                   {"m": rows, "k": k, "n": n}, make, flops=lambda host, r=rows, k=k, n=n: 2 * r * k * n)
 
 
 def embedding(dtype) -> Iterator[Spec]:

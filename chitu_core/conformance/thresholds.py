@@ -81,6 +81,8 @@ _EXACT = _per_dtype("exact", {}, {}, {})
 # Products with float32 accumulation: the output's rounding (bfloat16: 2**-9 relative, a mean square of
 # 1.3e-6; float16: 2**-12) with room for blocked reductions; float32 leaves room for reduction order, not TF32.
 _ACCUMULATED = _per_dtype("nmse", dict(limit=1e-9, rtol=1e-4), dict(limit=5e-5, rtol=3e-2), dict(limit=5e-6, rtol=4e-3))
+# Products whose operands are widened exactly and whose output is float32 by contract: float32's threshold in every column.
+_FLOAT32_ACCUMULATED = _per_dtype("nmse", *[dict(limit=1e-9, rtol=1e-4)] * 3)
 
 FAMILIES: dict[str, Family] = {
     "norm": Family("close", ("rms_norm", "fused_add_rms_norm", "all_reduce_add_rms_norm", "offset_rms_norm",
@@ -96,6 +98,8 @@ FAMILIES: dict[str, Family] = {
                      _float32("exact")),
     "gather": Family("exact", ("embedding",), "rows are copied", _EXACT),
     "matmul": Family("nmse", ("linear",), "float32 accumulation, output rounded", _ACCUMULATED),
+    "float32_matmul": Family("nmse", ("linear_float32",), "x widened exactly, float32 weight, products and sums "
+                             "in float32, float32 output whatever x's dtype", _FLOAT32_ACCUMULATED),
     "fused_matmul": Family("nmse", ("rms_norm_linear", "linear_add", "mla_inputs"), "a norm (or a residual) around "
                            "a linear, float32 accumulation: the normed input, the product and the gated activation may "
                            "each be rounded (as unfused ops round them) or kept in float32 until the output; "

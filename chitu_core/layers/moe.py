@@ -270,4 +270,6 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.logits_dtype is None:
             return self.ops.linear(x, self.weight, None)
+        if self.logits_dtype == torch.float32:
+            return self.ops.linear_float32(x, self.weight)  # contract 1.11: x widened in the product, no cast first
         return self.ops.linear(x.to(self.logits_dtype), self.weight, None)

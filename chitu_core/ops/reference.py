@@ -111,6 +111,11 @@ def mla_inputs(q: Tensor, kv: Tensor, w_uk: Tensor, kv_norm_weight: Tensor, eps:
     return torch.cat((q_latent, q_pe), dim=-1), latent
 
 
+def linear_float32(x: Tensor, weight: Tensor) -> Tensor:  # contract 1.11
+    acc = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
+    return F.linear(x.to(acc), weight.to(acc))
+
+
 def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     return weight[ids]
 

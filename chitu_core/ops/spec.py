@@ -265,6 +265,13 @@ class OpSet(Protocol):
         takes. Each part computed in float32 and rounded to q.dtype once, except that the normed kv
         may be rounded before its product with the weight, as ``rms_norm`` may do."""
 
+    # --- contract 1.11: a float32 product over a lower-precision input (routers' logits) ---
+
+    def linear_float32(self, x: Tensor, weight: Tensor) -> Tensor:
+        """x: [..., K] in any floating dtype, weight: float32 [N, K]. Returns float32 ``x @ weight.T``
+        ([..., N]), x widened to float32 exactly and the products summed in float32: a router whose
+        weight and logits stay float32 in a bfloat16 model (DeepSeek's), without a cast of x first."""
+
 
 OP_NAMES: tuple[str, ...] = tuple(
     name for name in OpSet.__dict__ if not name.startswith("_") and callable(OpSet.__dict__[name])

@@ -20,7 +20,7 @@ One module per kernel family, each a launcher that matches its contract op exact
   int4_linear.py      int4_linear (AWQ/GPTQ/in-situ int4 after repacking): tl.dot tiles for several rows
   gemv.py             int4_linear's matrix-vector kernel for one row (batch-1 decode)
   dense_gemv.py       a 16-bit or float32 linear's matrix-vector kernel for one row (the NVIDIA backend's
-                      linear at batch 1 for outputs of up to 4096)
+                      linear at batch 1 for outputs of up to 4096, and linear_float32's: contract 1.11)
   fused_gemv.py       the decode-step fusions (contract 1.9): dense_gemv with the RMSNorm in its prologue and
                       the gated activation or the residual add in its epilogue (the NVIDIA backend's
                       rms_norm_linear and linear_add at batch 1)

@@ -94,15 +94,17 @@ def _dense_gemv_kernel(out, partials, counters, x, w, bias, N, K, k_per_split, s
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               config: DenseGemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
+               config: DenseGemvConfig | None = None, pdl: bool | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] with one row; weight [N, K] with either dimension contiguous; bias [N] or None ->
-    [..., N] in x.dtype, float32 accumulation. ``pdl``: launch dependent on the previous kernel (default:
-    where the device and Triton support it, ``pdl.pdl_launch``)."""
+    [..., N] in ``out_dtype`` (default x.dtype), float32 accumulation; x and weight may differ in dtype
+    (a float32 router over a bfloat16 row, ``linear_float32``). ``pdl``: launch dependent on the previous
+    kernel (default: where the device and Triton support it, ``pdl.pdl_launch``)."""
     k, n = x.shape[-1], weight.shape[0]
     k_major = weight.stride(1) == 1
     cfg = config or dense_gemv_config(n, k, k_major, num_compute_units(x.device))
     row = x.reshape(k)
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
     plan = row_split(k, n, cfg.block_k, cfg.block_n, cfg.split_k, out, "dense_gemv")
     b = bias if bias is not None else out
     use_pdl = pdl_launch(x.device) if pdl is None else pdl

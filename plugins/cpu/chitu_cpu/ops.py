@@ -141,6 +141,7 @@ NATIVE_OPS = {
     "rms_norm_linear": rms_norm_linear,  # contract 1.9
     "linear_add": linear_add,
     "mla_inputs": mla_inputs,  # contract 1.10
+    "linear_float32": reference.linear_float32,  # contract 1.11: x widened, then F.linear (no cast where x is float32)
     "embedding": embedding,
     "greedy_sample": greedy_sample,
     "apply_top_k_top_p": apply_top_k_top_p,

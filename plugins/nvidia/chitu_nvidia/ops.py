@@ -61,6 +61,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.backends.cuda.preferred_blas_library(before)
 
 
+def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Contract 1.11: one row on the matrix-vector kernel, which widens x as it reads it (a 64 x 2048
+    float32 router: one launch instead of a cast and the product); else a cast and cuBLAS."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows == 1 and weight.dtype == torch.float32 and weight.shape[0] <= MAX_GEMV_N and _dense_gemv is not None:
+        return _dense_gemv(x, weight, None, out_dtype=torch.float32)
+    return F.linear(x.float(), weight)
+
+
 def _fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // max(1, x.shape[-1])
     if _fused_gemv is None or rows > _MAX_ROWS or x.dtype != weight.dtype:
@@ -104,7 +113,8 @@ def nvidia_ops() -> dict[str, Callable]:
     _unfused.update(rms_norm=rms_norm, silu_and_mul=silu_and_mul, gelu_and_mul=gelu_and_mul)
     pdl.allow()  # Hopper and newer: the decode path's kernels launch dependent (pdl.pdl_launch checks the device)
     ops: dict[str, Callable] = {"linear": linear, "rms_norm_linear": rms_norm_linear, "linear_add": linear_add,
-                                "mla_inputs": mla_inputs}  # contract 1.10
+                                "mla_inputs": mla_inputs,  # contract 1.10
+                                "linear_float32": linear_float32}  # contract 1.11
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes
         from chitu_core.kernels.triton.moe_fp8 import fused_experts_fp8_bytes
