@@ -82,3 +82,26 @@ def test_a_flip_that_an_earlier_flip_explains_is_not_judged():
     assert (r["routing_flips"], r["routing_roots"], r["routing_explains"]) == (2, 1, True)
     r = explain([CLEAR, TIE], [CLEAR, CLEAR], [0, 1], [1, 1])
     assert (r["routing_flips"], r["routing_roots"], r["routing_explains"]) == (3, 2, False)
+
+
+def test_our_routing_is_each_sequence_teacher_forced_alone_or_batched(tmp_path):
+    """``our_routing``: per sequence and MoE layer, the experts at every position of the tokens given (one
+    prefill, nothing sampled into them); a sequence's routing in a batch of three is its routing alone,
+    and is what float64 chooses from transformers' own router inputs (fp32 ours, wide weights: no near-ties)."""
+    from test_moe_models import build_moe, load
+
+    hf = build_moe(tmp_path, "mixtral")
+    llm = load(tmp_path)
+    sequences = [[5, 9, 300, 2, 11], list(range(40, 57)), [7] * 9]
+    batched, layers = routing_ties.our_routing(llm, sequences)
+    assert len(layers) == 3 and all(layer.route_args["top_k"] == 2 for layer in layers)
+    gates = routing_ties.GateInputs(hf)
+    with gates, torch.no_grad():
+        for i, seq in enumerate(sequences):
+            alone, _ = routing_ties.our_routing(llm, [seq])
+            assert [r.shape for r in batched[i]] == [(len(seq), 2)] * 3
+            assert all(torch.equal(a, b) for a, b in zip(alone[0], batched[i]))
+            gates.call()
+            hf(torch.tensor([seq]))
+            r = routing_ties.explain(batched[i], layers, gates, gates, i, len(seq))
+            assert r["routing_flips"] == 0, (i, r)

@@ -214,13 +214,11 @@ def check(arch: str) -> dict:
         from chitu_core import LLM
 
         llm = LLM(str(path), device="nvidia", dtype="bfloat16", max_model_len=512, enforce_eager=True, load_progress=False)
-        tokens, ours, layers = routing_ties.our_routing(llm, prompts, STEPS)
-        for i, (p, row) in enumerate(zip(prompts, rows)):
-            e = row["equal_prefix"]
-            if e == STEPS:
-                continue
-            row["eager_tokens_equal"] = tokens[i][:e + 1] == mine["outs"][i][:e + 1]
-            row.update(routing_ties.explain(ours[i], layers, gate_fp32, gate_bf16, i, len(p) + e))
+        parted = [i for i, row in enumerate(rows) if row["equal_prefix"] < STEPS]
+        shared = [prompts[i] + mine["outs"][i][:rows[i]["equal_prefix"]] for i in parted]
+        ours, layers = routing_ties.our_routing(llm, shared)  # teacher-forced on the shared sequences
+        for i, routing, sequence in zip(parted, ours, shared):
+            rows[i].update(routing_ties.explain(routing, layers, gate_fp32, gate_bf16, i, len(sequence)))
         del llm
         gc.collect()
         torch.cuda.empty_cache()

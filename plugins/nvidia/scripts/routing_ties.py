@@ -7,8 +7,10 @@ cannot see it. This looks at the cause instead. For each MoE layer and each posi
 sequence (prompt + our tokens before the parting):
 
 - ours: the experts our kernels chose (our router logits as our run computed them, through our
-  ``moe_route``), from an eager run of the same batch of prompts (eager and graph steps run the same
-  kernels; the tokens it gives are checked against the graph run's);
+  ``moe_route``) along the shared sequence itself, teacher-forced: one eager prefill of each prompt and
+  our tokens up to the parting. (A free-running eager run of the prompts parted from the graph run's
+  tokens at near-ties of its own on some prompts, and then judged routing along other tokens: DeepSeek-V3
+  showed runs of "flips" at clear margins at every position after such a split.)
 - float64: the layer's routing (``reference.moe_route``, our layer's arguments and correction bias) of
   the router logits of transformers' float32 model, its gate's input times its weight in float64;
 - noise: sigma, the RMS over experts of transformers-bf16's own error on those router logits (its
@@ -61,10 +63,10 @@ class GateInputs:
         return x.to(dtype) @ w.T
 
 
-def our_routing(llm, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[list[torch.Tensor]], list]:
-    """Our eager run of ``prompts`` in one batch (as the greedy run had them) for ``steps`` greedy tokens:
-    each prompt's tokens, and per prompt and MoE layer the experts chosen at every position computed
-    ([positions, top_k], sorted), and the layers (for their arguments)."""
+def our_routing(llm, sequences: list[list[int]]) -> tuple[list[list[torch.Tensor]], list]:
+    """Our eager prefill of ``sequences`` (teacher-forced: the tokens given, none sampled into them): per
+    sequence and MoE layer the experts chosen at every position ([len(sequence), top_k], sorted), and the
+    layers (for their arguments)."""
     from chitu_core import SamplingParams
     from chitu_core.layers.moe import FusedMoE
 
@@ -83,11 +85,13 @@ def our_routing(llm, prompts: list[list[int]], steps: int) -> tuple[list[list[in
 
     handles = [m.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i)) for i, m in enumerate(layers)]
     engine.runner.launch = recording_launch
+    caching, engine.block_manager.enable_prefix_caching = engine.block_manager.enable_prefix_caching, False
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
-    finally:
+        llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, temperature=0.0,
+                                                                                    ignore_eos=True))
+    finally:  # (no prefix caching: a cached prefix would be routed by no step of this run)
         engine.runner.launch = launch
+        engine.block_manager.enable_prefix_caching = caching
         for h in handles:
             h.remove()
     seq_of = {}  # seq id -> prompt index, in the order the sequences first appear (arrival order)
@@ -101,7 +105,10 @@ def our_routing(llm, prompts: list[list[int]], steps: int) -> tuple[list[list[in
                 chunks[li].append(ids[li][start:start + n])
             start += n
     routing = [[torch.cat(c) for c in per_seq[sid]] for sid in sorted(seq_of, key=seq_of.get)]
-    return [o.outputs[0].token_ids for o in outs], routing, layers
+    for r, s in zip(routing, sequences):
+        if any(len(ids) != len(s) for ids in r):
+            raise RuntimeError(f"routed {[len(ids) for ids in r]} positions of a sequence of {len(s)} tokens")
+    return routing, layers
 
 
 def _route(logits: torch.Tensor, layer) -> torch.Tensor:
