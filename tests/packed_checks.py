@@ -7,7 +7,10 @@ group's scale and zero point to bfloat16), greedy continuations equal but at nea
 from chitu_core import LLM, SamplingParams
 from test_models import batched_last_logits
 
-BF16_FACTOR = 2.0
+BF16_FACTOR = 2.5
+"""Since the CPU backend's RMSNorm rounds once (8d17528) the dequantized bfloat16 run is closer to float32
+(tiny Llama, tied Q8_0 tables: 2.02e-4 -> 1.81e-4; untied: 2.80e-4 -> 1.75e-4) while the packed model,
+whose norms run in float32, stayed at 3.80e-4 and 3.39e-4: 2.1x and 1.9x, against 1.9x and 1.2x before."""
 NEAR_TIE = 0.05
 """Where greedy continuations part, the reference's top-2 log-probability gap there must be below this."""
 

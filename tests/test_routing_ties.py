@@ -69,6 +69,17 @@ def test_a_flip_at_a_clear_margin_is_a_fault():
     assert (r["routing_flips"], r["routing_near_ties"], r["routing_explains"]) == (1, 0, False)
 
 
+def test_the_margin_of_a_choice_is_the_least_move_that_changes_it():
+    # Top-1 of [4, 1, 0, 0]: expert 1 overtakes 0 once each moves 1.5 toward the other, 1.5 sqrt(2) sigma
+    # in sigmas of a difference; beyond ``most`` it is reported as ``most``.
+    chosen = torch.tensor([0])
+    rows = torch.tensor(CLEAR, dtype=torch.float64)
+    assert abs(routing_ties.tie_margin(rows, 0.5, LAYER, chosen) - 1.5 * 2 ** 0.5 / 0.5) <= 0.05
+    assert routing_ties.tie_margin(rows, 0.01, LAYER, chosen) == 20.0
+    r = explain([CLEAR, TIE], [CLEAR, CLEAR], [1, 0], [0, 0])
+    assert len(r["routing_far_margins"]) == 1 and r["routing_far_margins"][0] > 3
+
+
 def test_the_noise_sets_what_is_near():
     # The same flip at the tie is no near-tie when transformers-bf16's own error there is nil.
     r = explain([CLEAR, TIE], [CLEAR, CLEAR], [0, 1], [0, 0], noise=0.0)

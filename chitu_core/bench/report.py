@@ -100,6 +100,8 @@ def _parting(row: dict[str, Any]) -> str:
     if row.get("routing_flips"):
         roots = row.get("routing_roots", row["routing_flips"])
         routing = f"; routing: {row['routing_flips']} flips, {row['routing_near_ties']} of {roots} roots near-ties"
+        if row.get("routing_far_margins"):  # the others' margins, in sigmas of a difference (near-tie: <= 3)
+            routing += " (others at " + ", ".join(f"{m:.1f}σ" for m in row["routing_far_margins"]) + ")"
     elif "routing_flips" in row:
         routing = "; routing: no flip"
     return f" ({row['gap_ulps']:.2f}u{sigmas}{flips}{routing})"

@@ -135,6 +135,32 @@ def _near_tie(logits: torch.Tensor, sigma: float, layer, chosen: torch.Tensor) -
     return False
 
 
+def tie_margin(logits: torch.Tensor, sigma: float, layer, chosen: torch.Tensor, most: float = 20.0) -> float:
+    """How far float64's choice for one row is from changing: the least move, in sigmas of a difference of
+    two logits (each of the two logits moving ``sqrt(2) / 2`` of it), of one chosen and one unchosen expert
+    toward each other that changes it (bisected to 1%); ``most`` where none up to it does. ``_near_tie``'s
+    rule is a margin of at most 3."""
+    def changes(d: float, i: int, j: int) -> bool:
+        step = d * sigma / 2 ** 0.5
+        nudged = logits.clone()
+        nudged[i] -= step
+        nudged[j] += step
+        return not torch.equal(_route(nudged[None], layer)[0], chosen)
+
+    best = most
+    others = [j for j in range(logits.shape[-1]) if j not in set(chosen.tolist())]
+    for i in (c for c in chosen.tolist() if c >= 0):
+        for j in others:
+            if not changes(best, i, j):
+                continue
+            lo, hi = 0.0, best
+            while hi - lo > 0.01 * hi:
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if changes(mid, i, j) else (mid, hi)
+            best = hi
+    return best
+
+
 def explain(ours: list[torch.Tensor], layers: list, fp32: "GateInputs", bf16: "GateInputs", call: int,
             positions: int) -> dict:
     """Routing flips of ours against float64 over the first ``positions`` positions of recorded call
@@ -154,7 +180,9 @@ def explain(ours: list[torch.Tensor], layers: list, fp32: "GateInputs", bf16: "G
     for li, pos in roots:
         noisy = bf16.logits(call, li, torch.float32)[pos].double()
         sigma = float((noisy - exact_of[li][pos]).square().mean().sqrt())
-        where.append((li, pos, _near_tie(exact_of[li][pos], sigma, layers[li], ref_of[li][pos])))
-    near = sum(tie for _, _, tie in where)
+        tie = _near_tie(exact_of[li][pos], sigma, layers[li], ref_of[li][pos])
+        where.append((li, pos, tie, round(tie_margin(exact_of[li][pos], sigma, layers[li], ref_of[li][pos]), 2)))
+    near = sum(w[2] for w in where)
+    far = [w[3] for w in where if not w[2]]
     return dict(routing_flips=len(flips), routing_roots=len(roots), routing_near_ties=near, routing_where=where[:8],
-                routing_explains=bool(roots) and near == len(roots))
+                routing_far_margins=far, routing_explains=bool(roots) and near == len(roots))
