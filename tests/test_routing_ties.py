@@ -80,6 +80,20 @@ def test_the_margin_of_a_choice_is_the_least_move_that_changes_it():
     assert len(r["routing_far_margins"]) == 1 and r["routing_far_margins"][0] > 3
 
 
+def test_our_logits_tell_a_routing_fault_from_a_forward_fault():
+    # A clear-margin flip at position 0 of layer 0. Our logits as float64's: our routing op chose against
+    # them (one mismatch), and they are 0 sigmas off. Our logits far off instead, and routed as they say:
+    # no mismatch, and the error in sigmas tells where it went wrong.
+    fp32, bf16 = recorded([CLEAR, TIE], [CLEAR, CLEAR], 0.01)
+    ours = [torch.tensor([1, 0])[:, None], torch.tensor([0, 0])[:, None]]
+    exact = [torch.tensor([CLEAR, TIE]), torch.tensor([CLEAR, CLEAR])]
+    r = routing_ties.explain(ours, [LAYER, LAYER], fp32, bf16, 0, 2, exact)
+    assert (r["routing_op_mismatches"], r["routing_far_errors"]) == (1, [0.0])
+    off = [torch.tensor([[0.0, 4.0, 0.0, 0.0], TIE]), torch.tensor([CLEAR, CLEAR])]
+    r = routing_ties.explain(ours, [LAYER, LAYER], fp32, bf16, 0, 2, off)
+    assert r["routing_op_mismatches"] == 0 and r["routing_far_errors"][0] > 100
+
+
 def test_the_noise_sets_what_is_near():
     # The same flip at the tie is no near-tie when transformers-bf16's own error there is nil.
     r = explain([CLEAR, TIE], [CLEAR, CLEAR], [0, 1], [0, 0], noise=0.0)
@@ -104,15 +118,17 @@ def test_our_routing_is_each_sequence_teacher_forced_alone_or_batched(tmp_path):
     hf = build_moe(tmp_path, "mixtral")
     llm = load(tmp_path)
     sequences = [[5, 9, 300, 2, 11], list(range(40, 57)), [7] * 9]
-    batched, layers = routing_ties.our_routing(llm, sequences)
+    batched, layers, logits = routing_ties.our_routing(llm, sequences)
     assert len(layers) == 3 and all(layer.route_args["top_k"] == 2 for layer in layers)
     gates = routing_ties.GateInputs(hf)
     with gates, torch.no_grad():
         for i, seq in enumerate(sequences):
-            alone, _ = routing_ties.our_routing(llm, [seq])
+            alone, _, _ = routing_ties.our_routing(llm, [seq])
             assert [r.shape for r in batched[i]] == [(len(seq), 2)] * 3
+            assert [x.shape for x in logits[i]] == [(len(seq), 4)] * 3
             assert all(torch.equal(a, b) for a, b in zip(alone[0], batched[i]))
             gates.call()
             hf(torch.tensor([seq]))
-            r = routing_ties.explain(batched[i], layers, gates, gates, i, len(seq))
-            assert r["routing_flips"] == 0, (i, r)
+            r = routing_ties.explain(batched[i], layers, gates, gates, i, len(seq), logits[i])
+            assert r["routing_flips"] == 0 and r["routing_op_mismatches"] == 0, (i, r)
+            torch.testing.assert_close(logits[i][0].double(), gates.logits(i, 0)[:len(seq)], rtol=1e-4, atol=1e-4)

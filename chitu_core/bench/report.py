@@ -101,7 +101,12 @@ def _parting(row: dict[str, Any]) -> str:
         roots = row.get("routing_roots", row["routing_flips"])
         routing = f"; routing: {row['routing_flips']} flips, {row['routing_near_ties']} of {roots} roots near-ties"
         if row.get("routing_far_margins"):  # the others' margins, in sigmas of a difference (near-tie: <= 3)
-            routing += " (others at " + ", ".join(f"{m:.1f}σ" for m in row["routing_far_margins"]) + ")"
+            routing += " (others at " + ", ".join(f"{m:.1f}σ" for m in row["routing_far_margins"])
+            if row.get("routing_far_errors"):  # our logits' error there, in sigmas of transformers-bf16's
+                routing += "; our logits off by " + ", ".join(f"{e:.1f}σ" for e in row["routing_far_errors"])
+            routing += ")"
+        if row.get("routing_op_mismatches"):  # our routing op against float64 routing of our own logits
+            routing += f"; {row['routing_op_mismatches']} positions routed otherwise than our logits say"
     elif "routing_flips" in row:
         routing = "; routing: no flip"
     return f" ({row['gap_ulps']:.2f}u{sigmas}{flips}{routing})"

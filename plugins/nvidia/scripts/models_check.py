@@ -216,9 +216,9 @@ def check(arch: str) -> dict:
         llm = LLM(str(path), device="nvidia", dtype="bfloat16", max_model_len=512, enforce_eager=True, load_progress=False)
         parted = [i for i, row in enumerate(rows) if row["equal_prefix"] < STEPS]
         shared = [prompts[i] + mine["outs"][i][:rows[i]["equal_prefix"]] for i in parted]
-        ours, layers = routing_ties.our_routing(llm, shared)  # teacher-forced on the shared sequences
-        for i, routing, sequence in zip(parted, ours, shared):
-            rows[i].update(routing_ties.explain(routing, layers, gate_fp32, gate_bf16, i, len(sequence)))
+        ours, layers, logits = routing_ties.our_routing(llm, shared)  # teacher-forced on the shared sequences
+        for i, routing, sequence, our_logits in zip(parted, ours, shared, logits):
+            rows[i].update(routing_ties.explain(routing, layers, gate_fp32, gate_bf16, i, len(sequence), our_logits))
         del llm
         gc.collect()
         torch.cuda.empty_cache()

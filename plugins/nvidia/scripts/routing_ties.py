@@ -63,25 +63,28 @@ class GateInputs:
         return x.to(dtype) @ w.T
 
 
-def our_routing(llm, sequences: list[list[int]]) -> tuple[list[list[torch.Tensor]], list]:
+def our_routing(llm, sequences: list[list[int]]) -> tuple[list[list[torch.Tensor]], list, list[list[torch.Tensor]]]:
     """Our eager prefill of ``sequences`` (teacher-forced: the tokens given, none sampled into them): per
-    sequence and MoE layer the experts chosen at every position ([len(sequence), top_k], sorted), and the
-    layers (for their arguments)."""
+    sequence and MoE layer the experts chosen at every position ([len(sequence), top_k], sorted), the
+    layers (for their arguments), and per sequence and layer our router logits ([len(sequence), E],
+    float32 on the host)."""
     from chitu_core import SamplingParams
     from chitu_core.layers.moe import FusedMoE
 
     engine = llm.engine
     layers = [m for m in engine.model.modules() if isinstance(m, FusedMoE)]
-    steps_seen: list[tuple[list[tuple[int, int]], list[torch.Tensor | None]]] = []  # ((seq, rows) a step, ids a layer)
+    steps_seen: list[tuple[list[tuple[int, int]], list, list]] = []  # ((seq, rows) a step, ids a layer, logits a layer)
     launch = engine.runner.launch
 
     def recording_launch(batch, *args, **kwargs):
-        steps_seen.append(([(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)], [None] * len(layers)))
+        steps_seen.append(([(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)], [None] * len(layers),
+                           [None] * len(layers)))
         return launch(batch, *args, **kwargs)
 
     def hook(layer, inputs, _out, i):
         _, ids = layer.ops.moe_route(inputs[1], correction_bias=layer.e_score_correction_bias, **layer.route_args)
         steps_seen[-1][1][i] = ids.sort(-1).values.cpu()
+        steps_seen[-1][2][i] = inputs[1].float().cpu()
 
     handles = [m.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i)) for i, m in enumerate(layers)]
     engine.runner.launch = recording_launch
@@ -95,20 +98,23 @@ def our_routing(llm, sequences: list[list[int]]) -> tuple[list[list[torch.Tensor
         for h in handles:
             h.remove()
     seq_of = {}  # seq id -> prompt index, in the order the sequences first appear (arrival order)
-    per_seq: dict[int, list[list[torch.Tensor]]] = {}
-    for rows, ids in steps_seen:
+    per_seq: dict[int, tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]] = {}
+    for rows, ids, logits in steps_seen:
         start = 0
         for seq_id, n in rows:
             seq_of.setdefault(seq_id, len(seq_of))
-            chunks = per_seq.setdefault(seq_id, [[] for _ in layers])
+            chunks, logit_chunks = per_seq.setdefault(seq_id, ([[] for _ in layers], [[] for _ in layers]))
             for li in range(len(layers)):
                 chunks[li].append(ids[li][start:start + n])
+                logit_chunks[li].append(logits[li][start:start + n])
             start += n
-    routing = [[torch.cat(c) for c in per_seq[sid]] for sid in sorted(seq_of, key=seq_of.get)]
+    order = sorted(seq_of, key=seq_of.get)
+    routing = [[torch.cat(c) for c in per_seq[sid][0]] for sid in order]
+    our_logits = [[torch.cat(c) for c in per_seq[sid][1]] for sid in order]
     for r, s in zip(routing, sequences):
         if any(len(ids) != len(s) for ids in r):
             raise RuntimeError(f"routed {[len(ids) for ids in r]} positions of a sequence of {len(s)} tokens")
-    return routing, layers
+    return routing, layers, our_logits
 
 
 def _route(logits: torch.Tensor, layer) -> torch.Tensor:
@@ -162,11 +168,17 @@ def tie_margin(logits: torch.Tensor, sigma: float, layer, chosen: torch.Tensor, 
 
 
 def explain(ours: list[torch.Tensor], layers: list, fp32: "GateInputs", bf16: "GateInputs", call: int,
-            positions: int) -> dict:
+            positions: int, our_logits: list[torch.Tensor] | None = None) -> dict:
     """Routing flips of ours against float64 over the first ``positions`` positions of recorded call
     ``call`` (the shared sequence). A flip at (layer, position) whose input a flip at an earlier MoE layer
     and a position no later already changed (by a whole expert's output, through the residual stream or
-    attention) follows from that one; the others are root flips, and each must be a near-tie."""
+    attention) follows from that one; the others are root flips, and each must be a near-tie.
+
+    With ``our_logits`` (``our_routing``'s), two checks that tell a fault's place where a root flip is not a
+    near-tie: ``routing_op_mismatches``, the positions where our routing op chose otherwise than the
+    float64 reference routing of our own logits (a routing kernel's fault: only exact float32 ties may
+    differ), and for each root flip our logits' error against float64's in sigmas (``where``'s fifth entry;
+    about 1 where ours is as noisy as transformers-bf16, far above where our forward went wrong)."""
     flips = []  # (layer, position) in layer order
     exact_of, ref_of = [], []
     for li, layer in enumerate(layers):
@@ -181,8 +193,17 @@ def explain(ours: list[torch.Tensor], layers: list, fp32: "GateInputs", bf16: "G
         noisy = bf16.logits(call, li, torch.float32)[pos].double()
         sigma = float((noisy - exact_of[li][pos]).square().mean().sqrt())
         tie = _near_tie(exact_of[li][pos], sigma, layers[li], ref_of[li][pos])
-        where.append((li, pos, tie, round(tie_margin(exact_of[li][pos], sigma, layers[li], ref_of[li][pos]), 2)))
+        entry = (li, pos, tie, round(tie_margin(exact_of[li][pos], sigma, layers[li], ref_of[li][pos]), 2))
+        if our_logits is not None:
+            error = float((our_logits[li][pos].double() - exact_of[li][pos]).square().mean().sqrt())
+            entry += (round(error / max(sigma, 1e-30), 2),)
+        where.append(entry)
     near = sum(w[2] for w in where)
     far = [w[3] for w in where if not w[2]]
-    return dict(routing_flips=len(flips), routing_roots=len(roots), routing_near_ties=near, routing_where=where[:8],
-                routing_far_margins=far, routing_explains=bool(roots) and near == len(roots))
+    out = dict(routing_flips=len(flips), routing_roots=len(roots), routing_near_ties=near, routing_where=where[:8],
+               routing_far_margins=far, routing_explains=bool(roots) and near == len(roots))
+    if our_logits is not None:
+        out["routing_far_errors"] = [w[4] for w in where if not w[2]]
+        out["routing_op_mismatches"] = sum(int((_route(our_logits[li][:positions].double(), layer) != ours[li][:positions])
+                                               .any(-1).sum()) for li, layer in enumerate(layers))
+    return out
