@@ -113,21 +113,26 @@ def test_last_token_logits_match_transformers(pair):
     assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
 
 
+def largest_change_without(llm, modules, flag: str) -> float:
+    """The largest change of PROMPTS' last-token logits when ``flag`` (a path each module takes while it is
+    true) is turned off on every module; it is turned back on after."""
+    taken = batched_last_logits(llm, PROMPTS)
+    for m in modules:
+        setattr(m, flag, False)
+    try:
+        return (taken - batched_last_logits(llm, PROMPTS)).abs().max().item()
+    finally:
+        for m in modules:
+            setattr(m, flag, True)
+
+
 def test_latent_attention_takes_mla_inputs_and_agrees_without_it(pair):
     """The CPU backend serves contract 1.10's mla_inputs, so the comparisons with transformers judge that path;
     the rotary, product, norm and concatenations it replaces (a backend without it) give the same logits."""
     name, _, _, llm = pair
     attns = [layer.self_attn for layer in llm.engine.model.model.layers]
     assert all(a.fused_inputs and a.fusion_max_tokens is None for a in attns)
-    fused = batched_last_logits(llm, PROMPTS)
-    for a in attns:
-        a.fused_inputs = False
-    try:
-        unfused = batched_last_logits(llm, PROMPTS)
-    finally:
-        for a in attns:
-            a.fused_inputs = True
-    assert (fused - unfused).abs().max().item() <= 1e-5, name
+    assert largest_change_without(llm, attns, "fused_inputs") <= 1e-5, name
 
 
 def test_latent_attention_takes_the_decode_step_fusions_and_agrees_without_them(pair):
@@ -147,15 +152,7 @@ def test_latent_attention_takes_the_decode_step_fusions_and_agrees_without_them(
         assert layer.takes_fusions(len(PROMPTS[2])), name
     moe = [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
     assert all(m.fuses() for m in moe if m.shared_experts is not None), name  # shared experts: fused path
-    fused = batched_last_logits(llm, PROMPTS)
-    for layer in layers:
-        layer.fusions = False
-    try:
-        unfused = batched_last_logits(llm, PROMPTS)
-    finally:
-        for layer in layers:
-            layer.fusions = True
-    assert (fused - unfused).abs().max().item() <= 1e-5, name
+    assert largest_change_without(llm, layers, "fusions") <= 1e-5, name
 
 
 def test_greedy_continuations_match_transformers(pair):
