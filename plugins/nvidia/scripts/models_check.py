@@ -232,6 +232,7 @@ def check(arch: str) -> dict:
     torch.cuda.empty_cache()
     return dict(arch=arch, rows=rows, ours_nmse=ours_mean, hf_bf16_nmse=hf_mean, ours_nmse_median=ours_median,
                 hf_bf16_nmse_median=hf_median, nmse_prompts=len(ours),
+                nmse_per_prompt=dict(ours=ours, hf_bf16=theirs),  # which prompts set the means
                 nmse_ok=ours_mean <= hf_mean and ours_median <= hf_median,
                 greedy_ok=greedy_ok, batch_bf16=mine["batch_equal_prefix"], batch_fp32=batch_fp32, graphs=mine["graphs"],
                 attention=mine["attention"], fallback=mine["fallback"])
