@@ -36,6 +36,7 @@ from chitu_core.layers.context import BuildContext, StepContext
 from chitu_core.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from chitu_core.layers.norm import RMSNorm
 from chitu_core.layers.rotary import RotaryEmbedding
+from chitu_core.ops import reference
 from chitu_core.quantization.base import UnquantizedMethod
 
 
@@ -126,17 +127,15 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _inputs(self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, nope + R] and kv [T, L + R] -> the absorbed query [T, H, L + R] and the latent [T, L + R]."""
-        t, r, lora, norm = q.shape[0], self.rope_dim, self.kv_lora_rank, self.kv_a_layernorm
+        t, norm = q.shape[0], self.kv_a_layernorm
         if self.fused_inputs and (self.fusion_max_tokens is None or t <= self.fusion_max_tokens):
             return self.ops.mla_inputs(q, kv, self.w_uk, norm.weight, norm.eps, positions, self.rotary.cos_sin_cache,
                                        self.rotary.is_neox)
-        q_nope, q_pe = q.split([self.nope, r], dim=-1)
-        compressed, k_pe = kv.split([lora, r], dim=-1)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.view(t, 1, r))
-        # The per-head products are batched matmuls over heads; torch.bmm runs on every backend's torch device.
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
-        latent = torch.cat((norm(compressed), k_pe.view(t, r)), dim=-1)  # [T, L + R]
-        return torch.cat((q_latent, q_pe), dim=-1), latent
+        # The same composition over this backend's own rotary and norm (the batched products over heads are
+        # torch.bmm, which runs on every backend's torch device).
+        return reference.mla_inputs(q, kv, self.w_uk, norm.weight, norm.eps, positions, self.rotary.cos_sin_cache,
+                                    self.rotary.is_neox, rotary=self.ops.rotary_embedding,
+                                    norm=lambda x, _weight, _eps: norm(x))
 
     def defer_reduce(self) -> None:
         """Return this rank's partial output, unsummed (see ``RowParallelLinear.reduce``)."""

@@ -16,12 +16,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The norm of x + residual as summed in float32; the sum returned rounded to x.dtype."""
-    if x.dtype == torch.float32:
-        total = x + residual
-        return rms_norm(total, weight, eps), total
+    """The norm of x + residual as summed in float32; the sum returned rounded to x.dtype (no casts where x
+    is float32: ``float()`` and ``to`` return the tensor itself)."""
     total = x.float() + residual.float()
-    return F.rms_norm(total, (x.shape[-1],), weight.float(), eps).to(x.dtype), total.to(x.dtype)
+    return rms_norm(total, weight, eps).to(x.dtype), total.to(x.dtype)
 
 
 def offset_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

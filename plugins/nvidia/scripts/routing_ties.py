@@ -124,21 +124,26 @@ def _route(logits: torch.Tensor, layer) -> torch.Tensor:
                                **args)[1].sort(-1).values
 
 
+def _changes(logits: torch.Tensor, layer, chosen: torch.Tensor, i: int, j: int, step: float) -> bool:
+    """Whether float64's choice for one row changes once expert i's logit moves down by ``step`` and
+    expert j's up by as much."""
+    nudged = logits.clone()
+    nudged[i] -= step
+    nudged[j] += step
+    return not torch.equal(_route(nudged[None], layer)[0], chosen)
+
+
+def _pairs(logits: torch.Tensor, chosen: torch.Tensor) -> list[tuple[int, int]]:
+    """(chosen, unchosen) expert pairs of one row."""
+    others = [j for j in range(logits.shape[-1]) if j not in set(chosen.tolist())]
+    return [(i, j) for i in chosen.tolist() if i >= 0 for j in others]
+
+
 def _near_tie(logits: torch.Tensor, sigma: float, layer, chosen: torch.Tensor) -> bool:
     """Whether float64's choice for one row changes once a chosen and an unchosen expert's logits each
     move 1.5 sqrt(2) sigma toward each other."""
     step = 1.5 * 2 ** 0.5 * sigma
-    others = [j for j in range(logits.shape[-1]) if j not in set(chosen.tolist())]
-    for i in chosen.tolist():
-        if i < 0:
-            continue
-        for j in others:
-            nudged = logits.clone()
-            nudged[i] -= step
-            nudged[j] += step
-            if not torch.equal(_route(nudged[None], layer)[0], chosen):
-                return True
-    return False
+    return any(_changes(logits, layer, chosen, i, j, step) for i, j in _pairs(logits, chosen))
 
 
 def tie_margin(logits: torch.Tensor, sigma: float, layer, chosen: torch.Tensor, most: float = 20.0) -> float:
@@ -147,23 +152,17 @@ def tie_margin(logits: torch.Tensor, sigma: float, layer, chosen: torch.Tensor, 
     toward each other that changes it (bisected to 1%); ``most`` where none up to it does. ``_near_tie``'s
     rule is a margin of at most 3."""
     def changes(d: float, i: int, j: int) -> bool:
-        step = d * sigma / 2 ** 0.5
-        nudged = logits.clone()
-        nudged[i] -= step
-        nudged[j] += step
-        return not torch.equal(_route(nudged[None], layer)[0], chosen)
+        return _changes(logits, layer, chosen, i, j, d * sigma / 2 ** 0.5)
 
     best = most
-    others = [j for j in range(logits.shape[-1]) if j not in set(chosen.tolist())]
-    for i in (c for c in chosen.tolist() if c >= 0):
-        for j in others:
-            if not changes(best, i, j):
-                continue
-            lo, hi = 0.0, best
-            while hi - lo > 0.01 * hi:
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if changes(mid, i, j) else (mid, hi)
-            best = hi
+    for i, j in _pairs(logits, chosen):
+        if not changes(best, i, j):
+            continue
+        lo, hi = 0.0, best
+        while hi - lo > 0.01 * hi:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if changes(mid, i, j) else (mid, hi)
+        best = hi
     return best
 
 
