@@ -132,3 +132,42 @@ def test_our_routing_is_each_sequence_teacher_forced_alone_or_batched(tmp_path):
             r = routing_ties.explain(batched[i], layers, gates, gates, i, len(seq), logits[i])
             assert r["routing_flips"] == 0 and r["routing_op_mismatches"] == 0, (i, r)
             torch.testing.assert_close(logits[i][0].double(), gates.logits(i, 0)[:len(seq)], rtol=1e-4, atol=1e-4)
+
+
+def test_recorded_logits_keep_the_weights_the_model_ran_with():
+    # models_check records its float32 model, then casts it to bfloat16 for transformers' own bf16 run: the
+    # float32 recording's logits must still use the float32 weights, and a recording made after the cast
+    # the bf16 ones (a third, not a power of two, is rounded by the cast).
+    model = TwoRouters()
+    for layer in model.layers:
+        layer.mlp.gate.weight.data.fill_(1 / 3)
+    rows = torch.ones(1, E)
+    fp32, bf16 = routing_ties.GateInputs(model), routing_ties.GateInputs(model)
+    with fp32, torch.no_grad():
+        fp32.call()
+        model(rows, rows)
+    model.to(torch.bfloat16)
+    with bf16, torch.no_grad():
+        bf16.call()
+        model(rows.bfloat16(), rows.bfloat16())
+    third = torch.tensor(1 / 3, dtype=torch.float32).double()
+    assert torch.equal(fp32.logits(0, 1), torch.full((1, E), float(third) * E, dtype=torch.float64))
+    rounded = torch.tensor(1 / 3, dtype=torch.bfloat16).double()
+    assert torch.equal(bf16.logits(0, 1), torch.full((1, E), float(rounded) * E, dtype=torch.float64))
+    assert rounded != third
+
+
+def test_a_flip_is_a_near_tie_in_the_larger_noise_up_to_twice_transformers():
+    # Top-1 of [4, 1, 0, 0] at transformers-bf16 noise 0.5: a margin of 4.24 sigmas, no near-tie in its
+    # noise. Ours 1.5 times as noisy there (RMS 0.75): within 3 of ours. Ours 3 times as noisy: our
+    # forward's fault there, and the margin is judged in transformers' noise again.
+    fp32, bf16 = recorded([CLEAR, TIE], [CLEAR, CLEAR], 0.5)
+    ours = [torch.tensor([1, 0])[:, None], torch.tensor([0, 0])[:, None]]
+    rows = [torch.tensor([CLEAR, TIE]), torch.tensor([CLEAR, CLEAR])]
+    verdicts = []
+    for error in (0.0, 0.75, 1.5):
+        logits = [rows[0] + torch.tensor([[error, -error, error, -error], [0.0] * E]), rows[1]]
+        r = routing_ties.explain(ours, [LAYER, LAYER], fp32, bf16, 0, 2, logits)
+        assert abs(r["routing_where"][0][3] - 4.24) <= 0.05 and abs(r["routing_where"][0][4] - error / 0.5) <= 1e-6
+        verdicts.append(r["routing_explains"])
+    assert verdicts == [False, True, False]

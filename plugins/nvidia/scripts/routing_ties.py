@@ -14,13 +14,15 @@ sequence (prompt + our tokens before the parting):
 - float64: the layer's routing (``reference.moe_route``, our layer's arguments and correction bias) of
   the router logits of transformers' float32 model, its gate's input times its weight in float64;
 - noise: sigma, the RMS over experts of transformers-bf16's own error on those router logits (its
-  bf16 model's gate input, the same weight in float32) at that position.
+  bf16 model's gate input times its own, rounded, weight) at that position; where our router logits are
+  known (``our_routing``'s) and noisier there, up to twice sigma, their error instead (beyond that our
+  forward is at fault there, and only a flip within 3 sigma is a near-tie).
 
 A position where ours differs from float64 is a routing flip. A flip that an earlier one explains (at a
 lower MoE layer and a position no later: its expert output reached this input) is not judged; each
 other (root) flip is a near-tie when float64 chooses otherwise too once one chosen and one unchosen
 expert's logits move 1.5 sqrt(2) sigma each, toward each other (3 sigma of a difference of two logits,
-as the logit rule). A parting is explained by routing when there are root flips and every one is a
+as the logit rule: ``tie_margin`` at most 3). A parting is explained by routing when there are root flips and every one is a
 near-tie; a root flip that is not would be a fault.
 """
 
@@ -36,12 +38,16 @@ def gates(model) -> list[torch.nn.Module]:
 
 
 class GateInputs:
-    """While open, records each router's input rows ([T, H], float32, on the host) per forward call."""
+    """While open, records each router's input rows ([T, H], float32, on the host) per forward call, and
+    each router's weight as it is on entry: the logits are the model's own as it ran, whatever is done to
+    it afterwards (models_check casts its float32 model to bfloat16 once the float32 runs are recorded;
+    a weight read then would put bf16 rounding into the float64 reference)."""
 
     def __init__(self, model):
-        self.gates, self.inputs, self._handles = gates(model), [], []
+        self.gates, self.inputs, self._handles, self.weights = gates(model), [], [], []
 
     def __enter__(self):
+        self.weights = [g.weight.detach().to("cpu", torch.float64, copy=True) for g in self.gates]
         for i, gate in enumerate(self.gates):
             self._handles.append(gate.register_forward_pre_hook(
                 lambda _m, args, i=i: self.inputs[-1][i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
@@ -59,8 +65,7 @@ class GateInputs:
     def logits(self, call: int, layer: int, dtype=torch.float64) -> torch.Tensor:
         """The router logits [T, E] of one recorded call, the input times the gate's weight in ``dtype``."""
         x = torch.cat(self.inputs[call][layer])
-        w = self.gates[layer].weight.detach().to("cpu", dtype)
-        return x.to(dtype) @ w.T
+        return x.to(dtype) @ self.weights[layer].to(dtype).T
 
 
 def our_routing(llm, sequences: list[list[int]]) -> tuple[list[list[torch.Tensor]], list, list[list[torch.Tensor]]]:
@@ -124,6 +129,19 @@ def _route(logits: torch.Tensor, layer) -> torch.Tensor:
                                **args)[1].sort(-1).values
 
 
+def routed_otherwise(ids: list[torch.Tensor], layers: list, exact: "GateInputs", call: int, position: int) -> bool:
+    """Whether the experts ``ids`` at one position (per MoE layer, [top_k] sorted) differ in any layer
+    from float64's routing of ``exact``'s router logits at that position of recorded call ``call``."""
+    return any(not torch.equal(chosen, _route(exact.logits(call, li)[position:position + 1], layer)[0])
+               for li, (chosen, layer) in enumerate(zip(ids, layers)))
+
+
+def own_routing(recorded: "GateInputs", layers: list, call: int, position: int) -> list[torch.Tensor]:
+    """A recorded model's own experts at one position, per MoE layer ([top_k] sorted): its router logits
+    there, as it ran, routed in float64 by the layer's rule."""
+    return [_route(recorded.logits(call, li)[position:position + 1], layer)[0] for li, layer in enumerate(layers)]
+
+
 def _changes(logits: torch.Tensor, layer, chosen: torch.Tensor, i: int, j: int, step: float) -> bool:
     """Whether float64's choice for one row changes once expert i's logit moves down by ``step`` and
     expert j's up by as much."""
@@ -139,18 +157,11 @@ def _pairs(logits: torch.Tensor, chosen: torch.Tensor) -> list[tuple[int, int]]:
     return [(i, j) for i in chosen.tolist() if i >= 0 for j in others]
 
 
-def _near_tie(logits: torch.Tensor, sigma: float, layer, chosen: torch.Tensor) -> bool:
-    """Whether float64's choice for one row changes once a chosen and an unchosen expert's logits each
-    move 1.5 sqrt(2) sigma toward each other."""
-    step = 1.5 * 2 ** 0.5 * sigma
-    return any(_changes(logits, layer, chosen, i, j, step) for i, j in _pairs(logits, chosen))
-
-
 def tie_margin(logits: torch.Tensor, sigma: float, layer, chosen: torch.Tensor, most: float = 20.0) -> float:
     """How far float64's choice for one row is from changing: the least move, in sigmas of a difference of
     two logits (each of the two logits moving ``sqrt(2) / 2`` of it), of one chosen and one unchosen expert
-    toward each other that changes it (bisected to 1%); ``most`` where none up to it does. ``_near_tie``'s
-    rule is a margin of at most 3."""
+    toward each other that changes it (bisected to 1%); ``most`` where none up to it does. A near-tie
+    is a margin of at most 3 (``explain``: in sigmas of the noise there)."""
     def changes(d: float, i: int, j: int) -> bool:
         return _changes(logits, layer, chosen, i, j, d * sigma / 2 ** 0.5)
 
@@ -191,12 +202,13 @@ def explain(ours: list[torch.Tensor], layers: list, fp32: "GateInputs", bf16: "G
     for li, pos in roots:
         noisy = bf16.logits(call, li, torch.float32)[pos].double()
         sigma = float((noisy - exact_of[li][pos]).square().mean().sqrt())
-        tie = _near_tie(exact_of[li][pos], sigma, layers[li], ref_of[li][pos])
-        entry = (li, pos, tie, round(tie_margin(exact_of[li][pos], sigma, layers[li], ref_of[li][pos]), 2))
+        margin = tie_margin(exact_of[li][pos], sigma, layers[li], ref_of[li][pos])
+        noise = 1.0  # the noise a near-tie is measured in, in sigmas (module docstring)
         if our_logits is not None:
-            error = float((our_logits[li][pos].double() - exact_of[li][pos]).square().mean().sqrt())
-            entry += (round(error / max(sigma, 1e-30), 2),)
-        where.append(entry)
+            error = float((our_logits[li][pos].double() - exact_of[li][pos]).square().mean().sqrt()) / max(sigma, 1e-30)
+            noise = error if 1.0 < error <= 2.0 else 1.0
+        entry = (li, pos, margin <= 3 * noise, round(margin, 2))
+        where.append(entry if our_logits is None else entry + (round(error, 2),))
     near = sum(w[2] for w in where)
     far = [w[3] for w in where if not w[2]]
     out = dict(routing_flips=len(flips), routing_roots=len(roots), routing_near_ties=near, routing_where=where[:8],
