@@ -3,7 +3,8 @@ the Llama-3.1-8B benches (one GPU and one rank of TP2) and a long context, again
 keys and values a call reads (copy bandwidth measured here). Each layer of a step reads its own cache, so
 the calls rotate through enough caches to exceed the L2 cache; timed as graph replays. A table last.
 
-    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/attention_sweep.py [--out FILE.json]
+    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/attention_sweep.py [--out FILE.json] [--splits N ...]
+        [--backend-tiles] [SHAPE ...]
 """
 
 import argparse
@@ -23,7 +24,7 @@ DEV = torch.device("cuda")
 BLOCK = 16
 # (name, batch, context, query heads, kv heads)
 SHAPES = [("8b-b64", 64, 256, 32, 8), ("8b-tp2-b64", 64, 256, 16, 4), ("8b-b1", 1, 256, 32, 8),
-          ("8b-tp2-b1", 1, 256, 16, 4), ("1.7b-b4-8k", 4, 8000, 16, 8)]
+          ("8b-tp2-b1", 1, 256, 16, 4), ("1.7b-b4-8k", 4, 8000, 16, 8), ("1.7b-b128-512", 128, 512, 16, 8)]
 TILES = [TileConfig(16 << 10, 4), TileConfig(16 << 10, 4, decode_stages=2), TileConfig(16 << 10, 4, decode_stages=4),
          TileConfig(16 << 10, 8), TileConfig(32 << 10, 4), TileConfig(32 << 10, 8), TileConfig(32 << 10, 8, decode_stages=2),
          TileConfig(8 << 10, 4), TileConfig(8 << 10, 2)]
@@ -42,19 +43,30 @@ def caches(batch: int, context: int, kv_heads: int, count: int):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
+    parser.add_argument("shapes", nargs="*", help="names from SHAPES (default: all)")
+    parser.add_argument("--splits", type=int, nargs="*", default=[None],
+                        help="key ranges to force, each in turn (default: the planner's choice)")
+    parser.add_argument("--backend-tiles", action="store_true", help="only the NVIDIA backend's own tiles")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(DEV, torch.cuda.synchronize)
     units = num_compute_units(DEV)
     rows = []
     for name, batch, context, heads, kv_heads in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
         nbytes = 2 * batch * context * kv_heads * 128 * 2
         sets = caches(batch, context, kv_heads, max(2, -(-(160 << 20) // nbytes)))
         q = torch.randn((batch, heads, 128), device=DEV, dtype=torch.bfloat16)
         seq_lens = torch.full((batch,), context, device=DEV, dtype=torch.int32)
         qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
         ref = None
-        for tiles in TILES:
-            step = plan(heads, kv_heads, 1, batch, context, units, tiles=tiles)
+        tile_set = TILES
+        if args.backend_tiles:
+            from chitu_nvidia.attention import NvidiaTritonAttention
+
+            tile_set = [NvidiaTritonAttention.tiles]
+        for tiles, splits in ((t, n) for t in tile_set for n in args.splits):
+            step = plan(heads, kv_heads, 1, batch, context, units, splits, tiles=tiles)
             ws = split_workspace(batch, heads, 128, step.num_splits, DEV) if step.num_splits > 1 else None
 
             def run(step=step, ws=ws):
