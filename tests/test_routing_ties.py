@@ -171,3 +171,44 @@ def test_a_flip_is_a_near_tie_in_the_larger_noise_up_to_twice_transformers():
         assert abs(r["routing_where"][0][3] - 4.24) <= 0.05 and abs(r["routing_where"][0][4] - error / 0.5) <= 1e-6
         verdicts.append(r["routing_explains"])
     assert verdicts == [False, True, False]
+
+
+def test_the_nmse_verdict_leaves_out_last_tokens_routed_otherwise():
+    # Three prompts of two tokens; float64 routes every last token to expert 0. Ours routes prompt 1's
+    # last token (a near-tie) to expert 1, transformers-bf16 prompt 2's (its noise pushed the TIE row
+    # over): both leave the verdict, which compares prompt 0 alone; ours counted and explained. Without
+    # routing (a dense model) every prompt counts, and ours' switched last token sets the mean.
+    import models_check
+
+    rows = [[CLEAR, CLEAR], [CLEAR, TIE], [CLEAR, TIE]]
+    model = TwoRouters()
+    fp32, bf16 = routing_ties.GateInputs(model), routing_ties.GateInputs(model)
+    with fp32, torch.no_grad():
+        for r in rows:
+            fp32.call()
+            model(torch.tensor(r), torch.tensor([CLEAR, CLEAR]))
+    with bf16, torch.no_grad():
+        for i, r in enumerate(rows):
+            bf16.call()
+            shift = torch.tensor([[0.0] * E, [-0.01, 0.01, 0, 0] if i == 2 else [0.004, -0.004, 0, 0]])
+            model(torch.tensor(r) + shift, torch.tensor([CLEAR, CLEAR]))
+    zero, one = torch.tensor([[0], [0]]), torch.tensor([[0], [1]])
+    routing = [[zero, zero], [one, zero], [zero, zero]]
+    logits = [[torch.tensor(r), torch.tensor([CLEAR, CLEAR])] for r in rows]
+    got = models_check.judged_nmse([[1, 2]] * 3, [1.0, 50.0, 1.0], [2.0, 1.0, 3.0], (routing, [LAYER, LAYER], logits),
+                                   fp32, bf16)
+    assert got["nmse_left_out"] == {"ours": [1], "hf_bf16": [2]} and got["nmse_left_out_explained"] == 1
+    assert got["nmse_judged"] == dict(prompts=1, ours=1.0, hf_bf16=2.0, ours_median=1.0, hf_bf16_median=2.0)
+    assert got["nmse_ok"]
+    dense = models_check.judged_nmse([[1, 2]] * 3, [1.0, 50.0, 1.0], [2.0, 1.0, 3.0], None, fp32, bf16)
+    assert dense["nmse_judged"]["prompts"] == 3 and dense["nmse_left_out"] == {"ours": [], "hf_bf16": []}
+    assert not dense["nmse_ok"]
+    # Ours switching prompt 2's last token where float64's choice is clear (its row made CLEAR) is no near-tie:
+    # the verdict fails whatever the figures.
+    logits[2][0], fp32.inputs[2][0] = torch.tensor([CLEAR, CLEAR]), [torch.tensor([CLEAR, CLEAR])]
+    bf16.inputs[2][0] = [torch.tensor([CLEAR, CLEAR]) + torch.tensor([0.004, -0.004, 0, 0])]
+    routing[2] = [one, zero]
+    got = models_check.judged_nmse([[1, 2]] * 3, [1.0, 50.0, 1.0], [2.0, 1.0, 3.0], (routing, [LAYER, LAYER], logits),
+                                   fp32, bf16)
+    assert got["nmse_left_out"] == {"ours": [1, 2], "hf_bf16": []} and got["nmse_left_out_explained"] == 1
+    assert got["nmse_judged"]["prompts"] == 1 and not got["nmse_ok"]

@@ -131,8 +131,9 @@ def models_check_lines(results: list[dict[str, Any]]) -> list[str]:
         if "ours_nmse_median" in r:  # since the median joined the mean (older pages: the mean of 32 prompts)
             ours += f" / {r['ours_nmse_median']:.3g}, {r['nmse_prompts']}"
             theirs_nmse += f" / {r['hf_bf16_nmse_median']:.3g}"
-        if r.get("nmse_judged", {}).get("prompts", r.get("nmse_prompts")) != r.get("nmse_prompts"):  # MoE left-outs
-            j, out = r["nmse_judged"], r["nmse_left_out"]
+        j = r.get("nmse_judged")
+        if j and j["prompts"] != r["nmse_prompts"]:  # MoE prompts left out of the verdict (models_check.judged_nmse)
+            out = r["nmse_left_out"]
             ours = (f"{j['ours']:.3g} / {j['ours_median']:.3g}, {j['prompts']} of {r['nmse_prompts']} (all: {ours}; left "
                     f"out, last token routed otherwise than float64: ours {len(out['ours'])}, "
                     f"{r['nmse_left_out_explained']} of them near-ties; transformers bf16 {len(out['hf_bf16'])})")

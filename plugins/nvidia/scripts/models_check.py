@@ -179,6 +179,9 @@ def judged_nmse(prompts, ours, theirs, routed, fp32, bf16) -> dict:
             if routing_ties.routed_otherwise(routing_ties.own_routing(bf16, layers, i, last), layers, fp32, i, last):
                 theirs_out.append(i)
     kept = [i for i in range(n) if i not in ours_out and i not in theirs_out]
+    if not kept:
+        raise RuntimeError(f"every one of {n} prompts' last token was routed otherwise than float64 by ours or "
+                           "transformers-bf16: no prompt is left to judge the NMSE on")
     o, t = [ours[i] for i in kept], [theirs[i] for i in kept]
     figures = dict(prompts=len(kept), ours=sum(o) / len(o), hf_bf16=sum(t) / len(t), ours_median=statistics.median(o),
                    hf_bf16_median=statistics.median(t))

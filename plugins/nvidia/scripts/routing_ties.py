@@ -22,8 +22,8 @@ A position where ours differs from float64 is a routing flip. A flip that an ear
 lower MoE layer and a position no later: its expert output reached this input) is not judged; each
 other (root) flip is a near-tie when float64 chooses otherwise too once one chosen and one unchosen
 expert's logits move 1.5 sqrt(2) sigma each, toward each other (3 sigma of a difference of two logits,
-as the logit rule: ``tie_margin`` at most 3). A parting is explained by routing when there are root flips and every one is a
-near-tie; a root flip that is not would be a fault.
+as the logit rule: ``tie_margin`` at most 3). A parting is explained by routing when there are root
+flips and every one is a near-tie; a root flip that is not would be a fault.
 """
 
 import torch
