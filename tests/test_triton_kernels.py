@@ -387,3 +387,55 @@ def test_attention_layer_fuses_rotary_where_the_backend_does(monkeypatch):
         caches.append(cache)
     assert rope_calls == [1]  # only the unfused run used the rotary op
     assert torch.equal(caches[0], caches[1]) and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("is_neox, rot", [(True, 64), (False, 64), (True, 40)])
+def test_fused_qk_norm_is_the_norms_then_the_rotary(is_neox, rot):
+    """Contract 1.12: ``rotary_and_write_kv(..., qk_norm=...)`` gives what the rms_norm op of each head of q
+    and k, then the fused rotary write, give: the returned q and the cache (rotated and pass-through
+    channels alike)."""
+    attn, meta, num_blocks, _, _, _, v, _ = fused_rotary_step()
+    positions, q, k, cos_sin = rotary_inputs(torch.float32, 27, 8, 2, 64, rot, "sliced")
+    w_q, w_k, eps = randn(64) + 1.0, randn(64) + 1.0, 1e-5
+    fused_cache, cache = (attn.allocate_kv_cache(num_blocks).fill_(SENTINEL) for _ in range(2))
+    got, _ = attn.rotary_and_write_kv(positions, q * 3, k / 2, v, cos_sin, is_neox, fused_cache, meta,
+                                      qk_norm=(w_q, w_k, eps))
+    nq, nk = (torch.nn.functional.rms_norm(x, (64,), w, eps) for x, w in ((q * 3, w_q), (k / 2, w_k)))
+    want, _ = attn.rotary_and_write_kv(positions, nq, nk, v, cos_sin, is_neox, cache, meta)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(fused_cache, cache, rtol=2e-6, atol=2e-6)
+    assert not torch.allclose(got, attn.rotary_and_write_kv(positions, q * 3, k / 2, v, cos_sin, is_neox, cache,
+                                                            meta)[0], atol=1e-2)  # the norms did act
+
+
+def test_attention_layer_hands_plain_qk_norms_to_a_fusing_backend(monkeypatch):
+    """The layer passes Qwen3-style per-head norms to a backend that fuses them (once, in its rotary cache
+    write; the norm layers never run) and gets what running them first gives; norms with Gemma's offset
+    stay with the layers."""
+    from types import SimpleNamespace
+
+    from chitu_core.layers.attention import Attention
+    from chitu_core.layers.context import StepContext
+
+    attn, meta, num_blocks, positions, q, k, v, cos_sin = fused_rotary_step()
+    rope = SimpleNamespace(cos_sin_cache=cos_sin, is_neox=True)
+    layer = Attention(q.shape[1], k.shape[1], q.shape[2], 0, SimpleNamespace(attention=attn))
+    runs, weights = [], (randn(q.shape[2]) + 1.0, randn(q.shape[2]) + 1.0)
+
+    class Norm:
+        def __init__(self, weight, offset):
+            self.weight, self.eps, self.offset = weight, 1e-6, offset
+
+        def __call__(self, x):
+            runs.append(self.offset)
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight + self.offset, self.eps)
+
+    outs = []
+    for fuses, offset in ((True, False), (False, False), (True, True)):
+        monkeypatch.setattr(type(attn), "fuses_qk_norm", fuses)
+        cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+        norms = tuple(Norm(w, offset) for w in weights)
+        outs.append((layer(q, k, v, StepContext(meta, [cache]), rope, positions, norms), cache))
+    assert runs == [False, False, True, True]  # the unfused run's two norms and the offset ones; the fused none
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=2e-6, atol=2e-6)

@@ -166,6 +166,10 @@ class AttentionBackend(PagedKVBackend):
     fuses_rotary: ClassVar[bool] = False
     """True where the backend applies RoPE while writing the cache (``rotary_and_write_kv``, then
     ``attend``): the attention layer then skips its separate rotary pass over q and k."""
+    fuses_qk_norm: ClassVar[bool] = False
+    """Contract 1.12, with ``fuses_rotary``: True where ``rotary_and_write_kv`` also takes ``qk_norm``, the
+    per-head RMSNorm of q and k before the rotation (Qwen3's ``q_norm``, ``k_norm``): the attention layer
+    then skips those two norms' launches."""
 
     def __init__(
         self,
@@ -202,10 +206,15 @@ class AttentionBackend(PagedKVBackend):
 
     def rotary_and_write_kv(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor,
                             is_neox: bool, kv_cache: Tensor, meta: AttentionMetadata,
-                            kv_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            kv_scale: Tensor | None = None,
+                            qk_norm: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, Tensor]:
         """Only where ``fuses_rotary``: the op ``rotary_embedding`` of q and k (returned), with the rotated
         k (rounded to k's dtype, as the op returns it) and v written at ``meta.slot_mapping`` as
-        ``forward`` would."""
+        ``forward`` would.
+
+        ``qk_norm`` (q weight [D], k weight [D], eps; passed only where ``fuses_qk_norm``): first each
+        head of q and of k as the op ``rms_norm`` returns it with that weight (float32, rounded once to
+        the dtype), then the rotation of those."""
         raise NotImplementedError(f"attention backend {self.name!r} does not fuse rotary embedding")
 
     def attend(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,

@@ -27,18 +27,33 @@ class Attention(nn.Module):
         self.register_buffer("kv_scale", self.backend.new_kv_scale(), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepContext,
-                rotary=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                rotary=None, positions: torch.Tensor | None = None, qk_norm=None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]. With ``rotary`` (a RotaryEmbedding) and
         ``positions``, q and k are rotated first: by the backend in its cache write where it fuses
-        the two, else by the rotary layer's op."""
+        the two, else by the rotary layer's op. ``qk_norm``: per-head norms (q's and k's ``RMSNorm``
+        over head_dim) applied to q and k before all that: by the backend in that same cache write where
+        it fuses them too (contract 1.12's ``fuses_qk_norm``), else by the two layers."""
         cache = step.kv_caches[self.layer_idx]
         fp8 = {} if self.kv_scale is None else {"kv_scale": self.kv_scale}
-        if rotary is not None and self.backend.fuses_rotary:
+        fused = rotary is not None and self.backend.fuses_rotary
+        if qk_norm is not None and not (fused and self.backend.fuses_qk_norm and _plain_norms(qk_norm, q.dtype)):
+            q, k = qk_norm[0](q), qk_norm[1](k)
+            qk_norm = None
+        if fused:
+            norms = {} if qk_norm is None else {"qk_norm": (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)}
             q, _ = self.backend.rotary_and_write_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, cache,
-                                                    step.meta, **fp8)
+                                                    step.meta, **fp8, **norms)
             out = self.backend.attend(q, cache, step.meta, self.scale, **fp8, **self.variant)
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)
             out = self.backend.forward(q, k, v, cache, step.meta, self.scale, **fp8, **self.variant)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
+def _plain_norms(qk_norm, dtype: torch.dtype) -> bool:
+    """Whether a backend's fused per-head norms can stand for these two RMSNorm layers: weights of the
+    activations' dtype, no offset (Gemma's 1 + w stays with the layers), one eps."""
+    q_norm, k_norm = qk_norm
+    return (not q_norm.offset and not k_norm.offset and q_norm.eps == k_norm.eps
+            and q_norm.weight.dtype == k_norm.weight.dtype == dtype)

@@ -41,6 +41,7 @@ class TritonPagedAttention(AttentionBackend):
     name = "triton"
     block_sizes = (16, 1, 8, 32, 64, 128)
     fuses_rotary = True
+    fuses_qk_norm = True
     supports_fp8_kv_cache = True
     variants = VARIANTS  # contract 1.6: the logit cap and the sliding window, in the kernel
     force_num_splits: int | None = None
@@ -99,8 +100,9 @@ class TritonPagedAttention(AttentionBackend):
 
     def rotary_and_write_kv(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor,
                             is_neox: bool, kv_cache: Tensor, meta: AttentionMetadata,
-                            kv_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            kv_scale: Tensor | None = None,
+                            qk_norm: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, Tensor]:
         """The op ``rotary_embedding`` (returns the rotated q, k) fused with the cache write of the
-        rotated k and of v; follow it with ``attend``."""
+        rotated k and of v, and with the per-head norms of q and k where given; follow it with ``attend``."""
         return rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, meta.slot_mapping,
-                                             kv_scale)
+                                             kv_scale, qk_norm)

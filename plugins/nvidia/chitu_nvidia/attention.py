@@ -3,6 +3,8 @@ float32 products on the tensor cores in three TF32 passes ("tf32x3", float32 acc
 FMA path of "ieee". Both keep an fp8 KV cache (contract 1.2) on GPUs of compute capability 8.9 and
 newer (Ada, Hopper, Blackwell), where Triton converts float8_e4m3fn."""
 
+import os
+
 import torch
 
 from chitu_core.errors import ChituError
@@ -34,6 +36,7 @@ class NvidiaTritonAttention(FP8OnAdaAndNewer, TritonPagedAttention):
     # decode at batch 64 took 30.6 us against 32.9 with Triton's default, batch 1 8.6 against 9.5;
     # 8,000-token contexts alike.
     tiles = TileConfig(decode_stages=2)
+    fuses_qk_norm = os.environ.get("CHITU_QK_NORM_FUSION", "1") != "0"  # 0: the separate norms (to compare)
 
 
 class NvidiaTritonMLAAttention(FP8OnAdaAndNewer, TritonMLAAttention):
