@@ -439,3 +439,35 @@ def test_attention_layer_hands_plain_qk_norms_to_a_fusing_backend(monkeypatch):
     assert runs == [False, False, True, True]  # the unfused run's two norms and the offset ones; the fused none
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=2e-6, atol=2e-6)
+
+
+def test_fused_rotary_conformance_rows_pass_and_catch_a_skipped_norm():
+    """The suite's ``attention/NAME/rotary`` rows (chitu_core/conformance/rotary_attention_cases.py) pass on the
+    Triton attention; a backend that declares ``fuses_qk_norm`` but ignores ``qk_norm`` fails the norm rows
+    only, and one that writes its keys unrotated fails them all."""
+    from chitu_core.conformance.case import Target
+    from chitu_core.conformance.runner import Session, build_cases
+    from chitu_core.conformance.thresholds import ThresholdBook
+    from chitu_core.ops.table import resolve_ops
+    from chitu_cpu.backend import CpuBackend
+
+    class SkipsNorm(attention.TritonPagedAttention):
+        def rotary_and_write_kv(self, *args, qk_norm=None, **kwargs):
+            return super().rotary_and_write_kv(*args, **kwargs)
+
+    class Unrotated(attention.TritonPagedAttention):
+        def rotary_and_write_kv(self, positions, q, k, v, cos_sin, is_neox, cache, meta, **kwargs):
+            rotated, _ = super().rotary_and_write_kv(positions, q, k, v, cos_sin, is_neox, cache, meta, **kwargs)
+            kv_cache.write_kv(k, v, cache, meta.slot_mapping)  # the keys as they came
+            return rotated, k
+
+    def statuses(attn_cls):
+        backend = CpuBackend()
+        backend.attention_backends = lambda: {"triton": attn_cls}
+        target = Target(backend, resolve_ops("cpu", backend.native_ops()), torch.device("cpu"), ThresholdBook())
+        results = Session(target, build_cases(target, (torch.float32,), "attention/triton/rotary*")).run_all()
+        return {r.row: r.status for r in results if r.status != "pass"}, len(results)
+
+    assert statuses(attention.TritonPagedAttention) == ({}, 5)
+    assert statuses(SkipsNorm)[0] == {"attention/triton/rotary+qk_norm": "fail"}
+    assert set(statuses(Unrotated)[0].values()) == {"fail"} and len(statuses(Unrotated)[0]) == 2

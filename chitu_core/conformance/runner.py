@@ -11,6 +11,7 @@ from chitu_core.conformance.case import Case, Outcome, PerfOptions, Target
 from chitu_core.conformance.collective_cases import collective_cases
 from chitu_core.conformance.compare import Verdict
 from chitu_core.conformance.mla_cases import mla_cases
+from chitu_core.conformance.rotary_attention_cases import rotary_attention_cases
 from chitu_core.conformance.model_cases import model_cases
 from chitu_core.conformance.op_cases import op_cases
 from chitu_core.conformance.quant_cases import quant_cases
@@ -67,7 +68,8 @@ def build_cases(target: Target, dtypes: tuple[torch.dtype, ...] = DTYPES, ops: s
     def chosen(row: str, op: str) -> bool:
         return not patterns or any(fnmatch.fnmatchcase(row, p) or fnmatch.fnmatchcase(op, p) for p in patterns)
 
-    cases = (op_cases(dtypes, perf=target.perf is not None) + attention_cases(target.backend, dtypes) + mla_cases(target.backend, dtypes)
+    cases = (op_cases(dtypes, perf=target.perf is not None) + attention_cases(target.backend, dtypes)
+             + rotary_attention_cases(target.backend, dtypes) + mla_cases(target.backend, dtypes)
              + sampler_cases(dtypes) + collective_cases(target.backend, dtypes) + quant_cases(target.backend, dtypes)
              + model_cases(dtypes, chosen))  # only the architectures asked for are loaded
     return [c for c in cases if chosen(c.row, c.op)]
