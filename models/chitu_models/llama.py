@@ -115,8 +115,8 @@ class DecoderAttention(nn.Module):
         t = qkv.shape[0]
         q, k, v = qkv.split([self.hq * self.hd, self.hk * self.hd, self.hk * self.hd], dim=-1)
         q, k, v = q.view(t, self.hq, self.hd), k.view(t, self.hk, self.hd), v.view(t, self.hk, self.hd)
-        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)  # the backend may fuse them (1.12)
-        return self.attn(q, k, v, step, self.rotary, positions, norms)
+        norms = {} if self.q_norm is None else {"qk_norm": (self.q_norm, self.k_norm)}  # the backend may fuse them
+        return self.attn(q, k, v, step, self.rotary, positions, **norms)
 
 
 class DecoderMLP(nn.Module):
