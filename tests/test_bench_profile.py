@@ -60,7 +60,7 @@ def test_a_modules_own_time_leaves_out_the_modules_inside_it():
             self.weight = nn.Parameter(torch.ones(4))
 
         def forward(self, x):
-            time.sleep(0.05)
+            time.sleep(0.2)  # long beside the outer module's own host time, even on a loaded machine
             return x * self.weight
 
     class Outer(nn.Module):
@@ -83,7 +83,7 @@ def test_a_modules_own_time_leaves_out_the_modules_inside_it():
     per_site, _ = attribute(prof.events(), device=False)
     assert len(per_site["0"]) == len(per_site["0.inner"]) == 1
     outer, inner = per_site["0"][0], per_site["0.inner"][0]  # microseconds: the sleep is the inner module's
-    assert inner > 50_000 and outer < inner / 4
+    assert inner > 200_000 and outer < inner / 4
     assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks  # the hooks are gone
 
 
