@@ -172,11 +172,12 @@ def judged_nmse(prompts, ours, theirs, routed, fp32, bf16) -> dict:
         routing, layers, logits = routed
         for i, p in enumerate(prompts):
             last = len(p) - 1
-            if routing_ties.routed_otherwise([r[last] for r in routing[i]], layers, fp32, i, last):
+            exact = routing_ties.own_routing(fp32, layers, i, last)  # float64's experts for the last token
+            if not all(map(torch.equal, (r[last] for r in routing[i]), exact)):
                 ours_out.append(i)
                 judged = routing_ties.explain(routing[i], layers, fp32, bf16, i, len(p), logits[i])
                 explained.append(judged["routing_explains"])
-            if routing_ties.routed_otherwise(routing_ties.own_routing(bf16, layers, i, last), layers, fp32, i, last):
+            if not all(map(torch.equal, routing_ties.own_routing(bf16, layers, i, last), exact)):
                 theirs_out.append(i)
     kept = [i for i in range(n) if i not in ours_out and i not in theirs_out]
     if not kept:

@@ -129,13 +129,6 @@ def _route(logits: torch.Tensor, layer) -> torch.Tensor:
                                **args)[1].sort(-1).values
 
 
-def routed_otherwise(ids: list[torch.Tensor], layers: list, exact: "GateInputs", call: int, position: int) -> bool:
-    """Whether the experts ``ids`` at one position (per MoE layer, [top_k] sorted) differ in any layer
-    from float64's routing of ``exact``'s router logits at that position of recorded call ``call``."""
-    return any(not torch.equal(chosen, _route(exact.logits(call, li)[position:position + 1], layer)[0])
-               for li, (chosen, layer) in enumerate(zip(ids, layers)))
-
-
 def own_routing(recorded: "GateInputs", layers: list, call: int, position: int) -> list[torch.Tensor]:
     """A recorded model's own experts at one position, per MoE layer ([top_k] sorted): its router logits
     there, as it ran, routed in float64 by the layer's rule."""
