@@ -27,7 +27,7 @@ def int4_linear(dtype) -> Iterator:
     for m, k, n, group, sdtype, bias, layout in [
         (1, 4096, 4096, 128, torch.float16, False, "contiguous"), (7, 512, 96, 32, dtype, True, "padded"),
         (33, 1024, 640, 64, torch.float16, False, "strided"), (1, 14336, 512, 128, dtype, False, "contiguous"),
-        (5, 256, 24, 128, torch.float32, True, "transposed"),
+        (5, 256, 24, 128, torch.float32, True, "transposed"), (1, 512, 96, 32, dtype, True, "strided"),
     ]:
         def make(gen, m=m, k=k, n=n, group=group, sdtype=sdtype, bias=bias, layout=layout):
             qweight = torch.randint(-(1 << 31), 1 << 31, (k // 8, n), generator=gen, dtype=torch.int64).to(torch.int32)
@@ -63,7 +63,7 @@ def fp8_linear(dtype) -> Iterator:
         (1, 7168, 576, (128, 128), True, False, "contiguous"), (1, 7168, 576, (128, 128), False, False, "contiguous"),
         (1, 4096, 4096, None, True, False, "contiguous"), (9, 4096, 1024, None, False, True, "padded"),
         (33, 1536, 640, (128, 128), True, True, "strided"), (3, 200, 72, (128, 128), False, False, "transposed"),
-        (64, 512, 256, (128, 128), False, False, "contiguous"),
+        (64, 512, 256, (128, 128), False, False, "contiguous"), (1, 1024, 200, None, False, True, "strided"),
     ]:
         def make(gen, m=m, k=k, n=n, block=block, act_quant=act_quant, bias=bias, layout=layout):
             weight = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)

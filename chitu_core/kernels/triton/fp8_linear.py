@@ -17,7 +17,7 @@ import torch
 from chitu_core.kernels.triton.quant_matmul import MatmulConfig, quant_matmul
 
 
-def _check(weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None) -> None:
+def check_operands(weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None) -> None:
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_linear: weight must be float8_e4m3fn, got {weight.dtype}")
     n, k = weight.shape
@@ -30,7 +30,7 @@ def _check(weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, in
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None,
                act_quant: bool, bias: torch.Tensor | None, config: MatmulConfig | None = None) -> torch.Tensor:
     """x [..., K] @ (weight float8_e4m3fn [N, K] * scales).T + bias -> [..., N] in x.dtype (see the spec)."""
-    _check(weight, scales, block_size)
+    check_operands(weight, scales, block_size)
     return quant_matmul(x, weight, scales, bias, w_kind="fp8", act_quant="fp8" if act_quant else None,
                         block_size=tuple(block_size) if block_size is not None else None, config=config)
 
@@ -39,6 +39,6 @@ def fp8_linear_bytes(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
                      block_size: tuple[int, int] | None, act_quant: bool, bias: torch.Tensor | None,
                      config: MatmulConfig | None = None) -> torch.Tensor:
     """``fp8_linear`` for Triton targets without FP8 types: the weight's bytes decoded in registers."""
-    _check(weight, scales, block_size)
+    check_operands(weight, scales, block_size)
     return quant_matmul(x, weight, scales, bias, w_kind="fp8_bytes", act_quant="fp8" if act_quant else None,
                         block_size=tuple(block_size) if block_size is not None else None, config=config)

@@ -2,15 +2,16 @@
 
 Weights as ``int4_linear`` reads them (int32 [K/8, N], nibble j of word [i, n] = q[8i + j, n]), scales
 and zeros [K/G, N]. A program owns BLOCK_N output columns and one of ``split`` slices of K; each step
-it loads a [BLOCK_K/8, BLOCK_N] tile of words (coalesced along N; the next tile's load is issued
-before this one is used), and for each nibble j multiplies 1 + q/16 (the nibble moved under the
-exponent of 1.0: a shift, a mask, no conversion) by the x of features 8i + j. A tile lies in one
-group (BLOCK_K divides G), so per packed row sum x (q - z) s = (16 sum x (1 + q/16) - (16 + z) sum x) s;
-the rows are added once, after the loop.
+takes a [BLOCK_K/8, BLOCK_N] tile of words (coalesced along N), its group's scales and zeros and its x
+(one [BLOCK_K/8, 8] load, ``x8``), all loaded a step ahead, and for each nibble j multiplies 1 + q/16
+(the nibble moved under the exponent of 1.0: a shift, a mask, no conversion) by the x of features
+8i + j. A tile lies in one group (BLOCK_K divides G), so per packed row
+sum x (q - z) s = (16 sum x (1 + q/16) - (16 + z) sum x) s; the rows are added once, after the loop.
 
 Split-K without a second launch (``split_k.finish_split``): the last slice of a column block to finish
-adds every slice's float32 partial sums in order (deterministic), with the bias. Tiles: ``gemv_config``.
-Dependent launch (``pdl``) with the first words loaded before the wait, as ``dense_gemv``.
+adds every slice's float32 partial sums in a fixed order (deterministic), with the bias. Tiles:
+``gemv_config``. Dependent launch (``pdl``) with the first words, scales and zeros loaded before the
+wait.
 """
 
 from dataclasses import dataclass
@@ -57,6 +58,21 @@ def _nibble_sixteenths(w, J: tl.constexpr):
     return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def x8(xs, stride_xk, R: tl.constexpr):
+    """x at features 8i + j for j = 0..7 (a tuple of [R]; xs: the packed rows' first features), as stored:
+    one [R, 8] load (a row's eight in one request), split into its columns."""
+    t = tl.load(xs[:, None] + tl.arange(0, 8)[None, :] * stride_xk)
+    even, odd = tl.split(tl.reshape(t, (R, 4, 2)))  # columns 0 2 4 6, 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(even, (R, 2, 2)))
+    o15, o37 = tl.split(tl.reshape(odd, (R, 2, 2)))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3, x7 = tl.split(o37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
 @triton.jit(do_not_specialize=["k_per_split", "split"])
 def _int4_gemv_kernel(
     out, partials, counters, x, qweight, scales, zeros, bias, N, K, k_per_split, split,
@@ -68,22 +84,26 @@ def _int4_gemv_kernel(
     rn, n_ok, k_lo, k_hi = row_slice(N, K, k_per_split, BLOCK_N)
     ri = tl.arange(0, R)
     w_cols = qweight + rn[None, :] * stride_qn
-    # the next tile's words are loaded before this one is used
+    # every operand of a step is loaded a step ahead: the words, the group's scales and zeros, and x
     acc2 = tl.zeros((R, BLOCK_N), dtype=tl.float32)
     nxt = tl.load(w_cols + (k_lo // 8 + ri).to(tl.int64)[:, None] * stride_qk, mask=n_ok[None, :], other=0)
-    gdc_enter(PDL)  # the first words are weights, which no earlier kernel writes
+    ns = tl.load(scales + (k_lo // GROUP) * stride_sg + rn * stride_sn, mask=n_ok, other=0.0)
+    nz = tl.load(zeros + (k_lo // GROUP) * stride_zg + rn * stride_zn, mask=n_ok, other=0.0)
+    gdc_enter(PDL)  # the loads before it are weights, which no earlier kernel writes
+    nx = x8(x + (k_lo // 8 + ri) * 8 * stride_xk, stride_xk, R)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = nxt
+        w, s, z, xs = nxt, ns.to(tl.float32), nz.to(tl.float32), nx
         rows = k0 // 8 + ri
         nxt = tl.load(w_cols + (rows + R).to(tl.int64)[:, None] * stride_qk,
                       mask=((rows + R) * 8 < k_hi)[:, None] & n_ok[None, :], other=0)
-        grp = k0 // GROUP  # a constant: a shift for the usual powers of two
-        s = tl.load(scales + grp * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
-        z = tl.load(zeros + grp * stride_zg + rn * stride_zn, mask=n_ok, other=0.0).to(tl.float32)
+        k1 = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # past the slice: this step's again
+        ns = tl.load(scales + (k1 // GROUP) * stride_sg + rn * stride_sn, mask=n_ok, other=0.0)
+        nz = tl.load(zeros + (k1 // GROUP) * stride_zg + rn * stride_zn, mask=n_ok, other=0.0)
+        nx = x8(x + (k1 // 8 + ri) * 8 * stride_xk, stride_xk, R)
         t = tl.zeros((R, BLOCK_N), dtype=tl.float32)
         sxr = tl.zeros((R,), dtype=tl.float32)
         for j in tl.static_range(8):
-            xj = tl.load(x + (rows * 8 + j) * stride_xk).to(tl.float32)
+            xj = xs[j].to(tl.float32)
             t += _nibble_sixteenths(w, j) * xj[:, None]  # x (1 + q/16): one shift, one mask, one FMA
             sxr += xj
         # sum x (q - z) s with q = 16 (1 + q/16) - 16, per packed row; rows are added after the loop

@@ -97,7 +97,7 @@ def _int4_kernel(
                  tile, pid_s, split, SPLIT_K, HAS_BIAS)
 
 
-def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
+def check_operands(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
     k, n = x.shape[-1], qweight.shape[1]
     groups = k // group_size if group_size > 0 else 0
     packed = qweight.dtype == torch.int32 and qweight.shape[0] * 8 == k
@@ -112,7 +112,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 bias: torch.Tensor | None, config: Int4Config | GemvConfig | None = None) -> torch.Tensor:
     """x [..., K] (any strides) -> [..., N] in x.dtype. ``config`` overrides the choice (tests, tuning): a
     GemvConfig takes the matrix-vector kernel (one row), an Int4Config the tiled one."""
-    _check(x, qweight, scales, zeros, group_size)
+    check_operands(x, qweight, scales, zeros, group_size)
     k, n = x.shape[-1], qweight.shape[1]
     rows = as_rows(x)
     m = rows.shape[0]

@@ -3,7 +3,7 @@ the result cast to the output's dtype. Two ways:
 
 * ``finish_split`` (in the matmul kernel itself, no second launch): each slice of K stores its tile of
   partial sums, then bumps its output tile's counter (acquire-release); the slice that arrives last adds
-  every slice in order, stores the tile and resets the counter. The counters are one zeroed buffer per
+  every slice in a fixed order, stores the tile and resets the counter. The counters are one zeroed buffer per
   device (``split_counters``) that every launch leaves zeroed again, so launches queued on one stream
   (and graph replays of them) share it; the side queue (contract 1.8) has buffers of its own (``QUEUE``).
 * ``sum_splits``: a second kernel over the partials [S, M, N].
@@ -76,7 +76,9 @@ def finish_split(acc, out, partials, counters, bias, rm, rn, mask, M, N, stride_
                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Store acc [BM, BN] (float32 sums over this program's slice of K; rows rm, columns rn) into out
     [M, N] (row stride stride_om, column stride 1) + bias: directly without SPLIT_K, else through
-    partials [split, M, N] (contiguous) and ``tile``'s counter, the last slice adding them in order."""
+    partials [split, M, N] (contiguous) and ``tile``'s counter, the last slice adding them in a fixed
+    order: one after another, or for one row (the matrix-vector kernels, split many ways) a chunk of
+    slices a load, each chunk summed as a tree."""
     offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if not SPLIT_K:
         if HAS_BIAS:
@@ -89,8 +91,16 @@ def finish_split(acc, out, partials, counters, bias, rm, rn, mask, M, N, stride_
         done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
         if done == split - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
-            for s in range(split):
-                total += tl.load(partials + s * M * N + part, mask=mask, other=0.0, cache_modifier=".cg")
+            if acc.shape[0] == 1:  # one row: CHUNK slices a load, so the reads overlap instead of queueing
+                CHUNK: tl.constexpr = min(16, max(2, 2048 // acc.shape[1]))
+                rs = tl.arange(0, CHUNK)
+                for s0 in range(0, split, CHUNK):
+                    got = tl.load(partials + (s0 + rs).to(tl.int64)[:, None] * M * N + part,
+                                  mask=(s0 + rs < split)[:, None] & mask, other=0.0, cache_modifier=".cg")
+                    total += tl.sum(got, axis=0)[None, :]
+            else:
+                for s in range(split):
+                    total += tl.load(partials + s * M * N + part, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias + rn * stride_b, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             tl.store(out + offs, total.to(out.dtype.element_ty), mask=mask)

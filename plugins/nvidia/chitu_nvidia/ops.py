@@ -6,7 +6,9 @@ with an output of up to ``MAX_GEMV_N`` to the Triton matrix-vector kernel. The d
 weights of up to ``MAX_FUSED_N`` outputs, and up to ``fused_gemv.MAX_ROWS`` rows for small weights
 (``MAX_FUSED_ROWS_WEIGHT``); else the unfused ops. ``mla_inputs`` (contract 1.10) is the portable Triton
 kernel, served here rather than by every Triton backend: its per-head matrix-vector products suit decode
-steps (``fusion_max_tokens``), not a prefill's thousands of tokens. Before
+steps (``fusion_max_tokens``), not a prefill's thousands of tokens. One row of 16-bit x through
+``int4_linear``, or through ``fp8_linear`` with unquantized activations, takes this plugin's
+matrix-vector kernels with their products in fp16 pairs (``int4_gemv``, ``fp8_gemv``: PTX). Before
 Ada/Hopper (compute capability 8.9) there are no FP8 types, so the FP8 linears and experts decode the
 bytes in registers. Sampling filters and penalties stay reference fallbacks until on-device sampling
 kernels land.
@@ -41,6 +43,10 @@ MAX_FUSED_ROWS_WEIGHT = int(os.environ.get("CHITU_FUSED_ROWS_MAX_WEIGHT", 1 << 2
 """Largest weight (elements) the fused kernel takes for 2 to 8 rows. Its tensor-core product beat the
 unfused ops on SmolLM2-135M's shapes at 4 rows (qkv 5.7 -> 3.8 us, o_proj 5.2 -> 3.2 us) but lost from
 Qwen3-1.7B's up (o_proj 7.8 -> 8.1 us at best, down 16.2 -> 21.9 us)."""
+PAIRS_GEMV = os.environ.get("CHITU_PAIRS_GEMV", "1") != "0"
+"""One row of 16-bit x through int4_linear, and through fp8_linear without activation quantization, takes
+``int4_gemv`` / ``fp8_gemv`` (products in fp16 pairs, PTX); CHITU_PAIRS_GEMV=0 leaves them to the portable
+Triton kernels (to compare)."""
 _dense_gemv: Callable | None = None  # bound by nvidia_ops(), which runs only where triton is installed
 _fused_gemv: Callable | None = None
 _MAX_ROWS = 0
@@ -68,6 +74,34 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows == 1 and weight.dtype == torch.float32 and weight.shape[0] <= MAX_GEMV_N and _dense_gemv is not None:
         return _dense_gemv(x, weight, None, out_dtype=torch.float32)
     return F.linear(x.float(), weight)
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """int4_linear: one row of bfloat16 or float16 x on ``int4_gemv``, else the portable kernel."""
+    from chitu_core.kernels.triton import int4_linear as portable
+
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows != 1 or x.dtype not in (torch.bfloat16, torch.float16) or not PAIRS_GEMV or qweight.shape[-1] == 0:
+        return portable.int4_linear(x, qweight, scales, zeros, group_size, bias)
+    from chitu_nvidia.int4_gemv import int4_gemv
+
+    portable.check_operands(x, qweight, scales, zeros, group_size)
+    return int4_gemv(x, qweight, scales, zeros, group_size, bias)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None,
+               act_quant: bool, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp8_linear: one row of bfloat16 or float16 x, not quantized, on ``fp8_gemv``; else the portable kernel."""
+    from chitu_core.kernels.triton import fp8_linear as portable
+    from chitu_nvidia import fp8_gemv
+
+    rows = x.numel() // max(1, x.shape[-1])
+    if (rows != 1 or act_quant or x.dtype not in (torch.bfloat16, torch.float16) or not PAIRS_GEMV
+            or weight.shape[0] == 0 or not fp8_gemv.fits(weight, block_size)):
+        return portable.fp8_linear(x, weight, scales, block_size, act_quant, bias)
+    portable.check_operands(weight, scales, block_size)
+    return fp8_gemv.fp8_gemv(x, weight, scales, block_size, bias)
 
 
 def _fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -114,11 +148,14 @@ def nvidia_ops() -> dict[str, Callable]:
     pdl.allow()  # Hopper and newer: the decode path's kernels launch dependent (pdl.pdl_launch checks the device)
     ops: dict[str, Callable] = {"linear": linear, "rms_norm_linear": rms_norm_linear, "linear_add": linear_add,
                                 "mla_inputs": mla_inputs,  # contract 1.10
-                                "linear_float32": linear_float32}  # contract 1.11
+                                "linear_float32": linear_float32,  # contract 1.11
+                                "int4_linear": int4_linear}
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes
         from chitu_core.kernels.triton.moe_fp8 import fused_experts_fp8_bytes
 
         ops["fp8_linear"] = fp8_linear_bytes
         ops["fused_experts_fp8"] = fused_experts_fp8_bytes
+    elif torch.cuda.is_available():  # e4m3 pairs convert to fp16 pairs in one instruction from 8.9
+        ops["fp8_linear"] = fp8_linear
     return ops

@@ -1,12 +1,17 @@
-"""Batch-1 (M = 1) sweep of the matrix-vector kernels (``kernels/triton/gemv.py``) at Llama-3.1-8B's shapes,
-beside the kernels they replace and a bf16 cuBLAS matmul, each against the byte floor of its shape.
+"""Batch-1 (M = 1) sweep of the quantized matrix-vector kernels at Llama-3.1-8B's shapes: int4's portable
+one (``kernels/triton/gemv.py``, kind ``portable``) and the NVIDIA plugin's fp16-pair one
+(``chitu_nvidia.int4_gemv``, kind ``pairs``), and the plugin's FP8 block one (``chitu_nvidia.fp8_gemv``,
+kind ``fp8``, beside ``quant_matmul``'s tiles), each beside its default path and a bf16 cuBLAS matmul,
+against the byte floor of its shape.
 
 Weights are rotated through enough copies to exceed the L2 cache (a decode step reads every weight
 once, from memory), the calls replayed from a CUDA graph (``quant_kernels.timed``). For each shape and
 kind: the fastest config, its time, share of the floor, and its error against the float64 reference;
 also whether two calls give the same bits (the split-K order is fixed). A table last.
 
-    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/gemv_sweep.py
+    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/gemv_sweep.py [portable] [pairs] [fp8]
+
+(every kind when none is named).
 """
 
 import itertools
@@ -15,8 +20,12 @@ import sys
 import torch
 
 from chitu_core.bench.floor import copy_bandwidth
-from chitu_core.kernels.triton.gemv import GemvConfig, int4_gemv
+from chitu_core.kernels.triton.gemv import GemvConfig
+from chitu_core.kernels.triton.gemv import int4_gemv as int4_gemv_portable
 from chitu_core.kernels.triton.int4_linear import int4_linear
+from chitu_core.kernels.triton.fp8_linear import fp8_linear
+from chitu_nvidia.fp8_gemv import fp8_gemv, fp8_gemv_config
+from chitu_nvidia.int4_gemv import int4_gemv, int4_gemv_config
 from chitu_core.ops import quant_reference as ref
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -61,14 +70,77 @@ def best_of(fn_for, configs, sets):
 
 def int4_configs(n: int, units: int):
     out = []
-    for bn, bk, per_unit, warps, stages in itertools.product((64, 128, 256, 512), (64, 128), (1, 2, 4), (2, 4, 8), (1,)):
+    for bn, bk, per_unit, warps, stages in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (4, 8), (1,)):
         split = max(1, -(-per_unit * units // -(-n // bn)))
         out.append(GemvConfig(bn, bk, split, warps, stages))
     return out
 
 
+def pairs_configs(n: int, units: int):
+    out = []
+    for bn, bk, per_unit, warps in itertools.product((256, 512), (16, 32), (2, 4, 8), (1, 2, 4)):
+        split = max(1, -(-per_unit * units // -(-n // bn)))
+        out.append(GemvConfig(bn, bk, split, warps))
+    return out
+
+
+def fp8_configs(n: int, units: int):
+    out = []
+    for bn, warps, per_unit in itertools.product((32, 64, 128), (2, 4, 8), (2, 4, 8)):
+        out.append(GemvConfig(bn, 128, max(1, -(-per_unit * units // -(-n // bn))), warps))
+    return out
+
+
+def timed_rotated(fn, sets) -> float:
+    run, calls = rotated(fn, sets)
+    return timed(run, repeats=7, calls=1) / calls
+
+
+def int4_rows(sname, x, n, k, kinds, units, bw):
+    args, wbytes = operands("int4_linear", n, k, "g128")
+    sets = copies(lambda i: operands("int4_linear", n, k, "g128")[0] if i else args, wbytes)
+    want = ref.int4_linear(x.double(), *args)
+    us = timed_rotated(lambda *a: int4_linear(x, *a), sets)
+    rows = [(sname, "int4 portable int4_linear", "default", f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}", "", "")]
+    cfg = int4_gemv_config(n, k, 128, units)
+    us = timed_rotated(lambda *a: int4_gemv(x, *a, cfg), sets)
+    rows.append((sname, "int4 pairs default", str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}",
+                 f"{nmse(int4_gemv(x, *args), want):.1e}", ""))
+    tried = []
+    if "portable" in kinds:
+        tried.append(("int4 portable gemv", int4_gemv_portable, int4_configs(n, units)))
+    if "pairs" in kinds:
+        tried.append(("int4 pairs gemv", int4_gemv, pairs_configs(n, units)))
+    for label, kernel, configs in tried:
+        us, cfg = best_of(lambda c, kernel=kernel: (lambda q, s, z, g, b: kernel(x, q, s, z, g, b, c)), configs, sets)
+        got, again = kernel(x, *args, cfg), kernel(x, *args, cfg)
+        rows.append((sname, label, str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}", f"{nmse(got, want):.1e}",
+                     "yes" if torch.equal(got, again) else "NO"))
+    return rows
+
+
+def fp8_rows(sname, x, n, k, units, bw):
+    block = (128, 128)
+    args, wbytes = operands("fp8_linear", n, k, "block")
+    sets = copies(lambda i: operands("fp8_linear", n, k, "block")[0] if i else args, wbytes)
+    w, s = args[0], args[1]
+    want = ref.fp8_linear(x.double(), w, s, block, False, None)
+    us = timed_rotated(lambda w, s, *_: fp8_linear(x, w, s, block, False, None), sets)
+    rows = [(sname, "fp8 quant_matmul", "default", f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}",
+             f"{nmse(fp8_linear(x, w, s, block, False, None), want):.1e}", "")]
+    cfg = fp8_gemv_config(n, k, units)
+    us = timed_rotated(lambda w, s, *_: fp8_gemv(x, w, s, block, None, cfg), sets)
+    rows.append((sname, "fp8 pairs default", str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}",
+                 f"{nmse(fp8_gemv(x, w, s, block, None), want):.1e}", ""))
+    us, cfg = best_of(lambda c: (lambda w, s, *_: fp8_gemv(x, w, s, block, None, c)), fp8_configs(n, units), sets)
+    got, again = fp8_gemv(x, w, s, block, None, cfg), fp8_gemv(x, w, s, block, None, cfg)
+    rows.append((sname, "fp8 pairs gemv", str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}", f"{nmse(got, want):.1e}",
+                 "yes" if torch.equal(got, again) else "NO"))
+    return rows
+
+
 def main() -> int:
-    kinds = ["int4"]
+    kinds = sys.argv[1:] or ["portable", "pairs", "fp8"]
     bw = copy_bandwidth(DEV, torch.cuda.synchronize)
     units = torch.cuda.get_device_properties(DEV).multi_processor_count
     print(f"device {torch.cuda.get_device_name()}, {units} units, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -79,26 +151,11 @@ def main() -> int:
         us16 = timed(rotated(lambda w: x @ w.T, w16)[0], repeats=7, calls=1) / len(w16)
         rows.append((sname, "bf16 cuBLAS", "", f"{us16:.1f}", f"{n * k * 2 / bw * 1e6 / us16:.2f}", "", ""))
         del w16
-        for kind in kinds:
-            op, variant = "int4_linear", "g128"
-            args, wbytes = operands(op, n, k, variant)
-            sets = copies(lambda i: operands(op, n, k, variant)[0] if i else args, wbytes)
-            old = int4_linear
-            run, calls = rotated(lambda *a: old(x, *a), sets)
-            us_old = timed(run, repeats=7, calls=1) / calls
-            rows.append((sname, f"{kind} before", "default", f"{us_old:.1f}", f"{wbytes / bw * 1e6 / us_old:.2f}", "", ""))
-            fn_for = lambda cfg: (lambda q, s, z, g, b: int4_gemv(x, q, s, z, g, b, cfg))  # noqa: E731
-            call = lambda cfg: int4_gemv(x, *args, cfg)  # noqa: E731
-            tried = [(f"{kind} gemv", fn_for, int4_configs(n, units), call)]
-            for label, fn_for, configs, call in tried:
-                us, cfg = best_of(fn_for, configs, sets)
-                got, again = call(cfg), call(cfg)
-                want = getattr(ref, op)(x.double(), *args)
-                same = "yes" if torch.equal(got, again) else "NO"
-                rows.append((sname, label, str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}",
-                             f"{nmse(got, want):.1e}", same))
-            print(rows[-3:], flush=True)
-            del sets
+        if "portable" in kinds or "pairs" in kinds:
+            rows += int4_rows(sname, x, n, k, kinds, units, bw)
+        if "fp8" in kinds:
+            rows += fp8_rows(sname, x, n, k, units, bw)
+        print(rows[-7:], flush=True)
     print_table(rows, "same bits")
     return 0
 

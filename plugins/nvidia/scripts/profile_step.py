@@ -1,7 +1,7 @@
 """Where a decode step's time goes, on the GPU: kernels by device time, launches and device time per
 step, and the wall time per step around them.
 
-    python plugins/nvidia/scripts/profile_step.py --model DIR --batch-size 1 [--input-len 128] [--steps 20] [--out FILE]
+    python plugins/nvidia/scripts/profile_step.py --model DIR --batch-size 1 [--input-len 128] [--steps 20] [--quantization int4] [--out FILE]
     torchrun --nproc-per-node 2 plugins/nvidia/scripts/profile_step.py --model DIR --tensor-parallel-size 2 ...
 
 Under torchrun every rank runs the same requests and steps (as ``bench offline`` does); each rank
@@ -30,11 +30,12 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights, config.json alone")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--quantization", help="in-situ quantization of 16-bit weights (fp8, int8, int4)")
     args = parser.parse_args()
     b, n = args.batch_size, args.steps
     engine = LLM(args.model, device="nvidia", dtype="bfloat16", max_model_len=args.input_len + 3 * n + 64, max_num_seqs=max(b, 1),
                  load_progress=False, load_format=args.load_format,
-                 tensor_parallel_size=args.tensor_parallel_size).engine
+                 tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization).engine
     for i, p in enumerate(random_prompts(b, args.input_len, engine.vocab_size, 3)):
         engine.add_request(f"p{i}", p, SamplingParams(max_tokens=3 * n + 20, temperature=0.0, ignore_eos=True))
     for _ in range(10):  # prefill and the first decode steps

@@ -1,0 +1,167 @@
+"""int4_linear for one row of 16-bit x on NVIDIA GPUs: the matrix-vector kernel with its inner product in
+half-precision pairs (PTX through ``tl.inline_asm_elementwise``).
+
+Each packed word (nibble j = feature 8i + j) takes 18 instructions for its eight weights, against
+about 6 a nibble in the portable kernel (``chitu_core.kernels.triton.gemv``):
+
+* four masks (one LOP3 each, with three shifts) lay nibbles j and j + 4 into the low mantissa bits of
+  the fp16 pair (1024, 1024), giving 1024 + q exactly; one fp16-pair subtraction each leaves q;
+* one multiply and three fused multiply-adds in fp16 pairs meet them with x's pairs (x_j, x_{j+4});
+* the pair's two halves widen to float32 and add: four products per half in fp16, all else float32.
+
+x is scaled by 1/64 (exact, a power of two) before it is rounded to fp16, so a sum of products overflows
+only for |x| above about 17,000 (fp16's range is 65,504); the scale comes back in float32, as do the
+zero point (z times the float32 sum of the word's eight x) and the group's scale. The fp16 roundings
+cost about 2^-11 of a product, under bfloat16's own 2^-9 on the output (conformance: ``int4_linear``).
+
+A program owns BLOCK_N columns and a slice of K; every operand of a step (words, the group's scales
+and zeros, x: one [R, 8] load) is loaded a step ahead; split-K partial sums are added in a fixed order
+by the slice that finishes last (``split_k.finish_split``); dependent launch with the first words,
+scales and zeros issued before the wait. On an H100 (plugins/nvidia/scripts/gemv_sweep.py) it reads
+Llama-3.1-8B's gate/up weights at 0.68 of the byte floor (portable: 0.53) and the smaller ones at
+0.30-0.52, where a kernel's start and split-K finish weigh as much as its bytes. On other devices
+(the interpreter) the same sums run in float32 Triton (``ASM=False``), differing only by the fp16
+roundings.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from chitu_core.kernels.triton.common import num_compute_units
+from chitu_core.kernels.triton.gemv import GemvConfig, x8
+from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
+from chitu_core.kernels.triton.split_k import finish_split, row_slice, row_split
+
+X_SCALE = tl.constexpr(1.0 / 64.0)
+X_UNSCALE = tl.constexpr(64.0)
+
+_DOT8 = tl.constexpr("""{
+.reg .b32 a, b, c, d, t, k;
+.reg .f16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 k, 0x64006400;
+lop3.b32 a, $1, $6, k, 0xea;
+shr.u32 t, $1, 4;
+lop3.b32 b, t, $6, k, 0xea;
+shr.u32 t, $1, 8;
+lop3.b32 c, t, $6, k, 0xea;
+shr.u32 t, $1, 12;
+lop3.b32 d, t, $6, k, 0xea;
+sub.f16x2 a, a, k;
+sub.f16x2 b, b, k;
+sub.f16x2 c, c, k;
+sub.f16x2 d, d, k;
+mul.rn.f16x2 a, a, $2;
+fma.rn.f16x2 a, b, $3, a;
+fma.rn.f16x2 a, c, $4, a;
+fma.rn.f16x2 a, d, $5, a;
+mov.b32 {lo, hi}, a;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""")
+
+
+@triton.jit
+def fp16_pair(lo, hi, ASM: tl.constexpr):
+    """fp16 pair (lo in the low half) of two float32 tensors, as int32 bits."""
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo16 | (hi16 << 16)
+
+
+@triton.jit
+def pair_half(pair, J: tl.constexpr):
+    """Half J (0 low) of an fp16 pair, as float32."""
+    return ((pair >> (16 * J)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _dot8(w, x04, x15, x26, x37, mask, ASM: tl.constexpr):
+    """Sum over j of q_j x_j for each word of w (nibble j = q_j), x_j and x_{j+4} given as fp16 pairs."""
+    if ASM:
+        return tl.inline_asm_elementwise(_DOT8, "=f,r,r,r,r,r,r", [w, x04, x15, x26, x37, mask], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    t = ((w & 0xF).to(tl.float32) * pair_half(x04, 0) + ((w >> 16) & 0xF).to(tl.float32) * pair_half(x04, 1))
+    t += ((w >> 4) & 0xF).to(tl.float32) * pair_half(x15, 0) + ((w >> 20) & 0xF).to(tl.float32) * pair_half(x15, 1)
+    t += ((w >> 8) & 0xF).to(tl.float32) * pair_half(x26, 0) + ((w >> 24) & 0xF).to(tl.float32) * pair_half(x26, 1)
+    t += ((w >> 12) & 0xF).to(tl.float32) * pair_half(x37, 0) + ((w >> 28) & 0xF).to(tl.float32) * pair_half(x37, 1)
+    return t
+
+
+@triton.jit(do_not_specialize=["k_per_split", "split"])
+def _int4_pairs_kernel(
+    out, partials, counters, x, qweight, scales, zeros, bias, N, K, k_per_split, split,
+    stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_b,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    R: tl.constexpr = BLOCK_K // 8
+    rn, n_ok, k_lo, k_hi = row_slice(N, K, k_per_split, BLOCK_N)
+    if EVEN_N:
+        n_ok = tl.full((BLOCK_N,), True, tl.int1)
+    ri = tl.arange(0, R)
+    w_cols = qweight + rn[None, :] * stride_qn
+    last = k_hi // 8 - R  # the slice's last tile: a prefetch past it loads that tile again, unmasked
+    acc2 = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+    nibbles = tl.full((R, BLOCK_N), 0x000F000F, tl.int32)  # a register the masks share
+    # every operand of a step is loaded a step ahead: the words, the group's scales and zeros, and x
+    row = k_lo // 8
+    nxt = tl.load(w_cols + (row + ri).to(tl.int64)[:, None] * stride_qk, mask=n_ok[None, :])
+    ns = tl.load(scales + (row * 8 // GROUP) * stride_sg + rn * stride_sn, mask=n_ok)
+    nz = tl.load(zeros + (row * 8 // GROUP) * stride_zg + rn * stride_zn, mask=n_ok)
+    gdc_enter(PDL)  # the loads before it are weights, which no earlier kernel writes
+    nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = x8(x + (row + ri) * 8 * stride_xk, stride_xk, R)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w, s, z = nxt, ns.to(tl.float32) * X_UNSCALE, nz.to(tl.float32)
+        x0, x1, x2, x3 = nx0.to(tl.float32) * X_SCALE, nx1.to(tl.float32) * X_SCALE, nx2.to(tl.float32) * X_SCALE, \
+            nx3.to(tl.float32) * X_SCALE
+        x4, x5, x6, x7 = nx4.to(tl.float32) * X_SCALE, nx5.to(tl.float32) * X_SCALE, nx6.to(tl.float32) * X_SCALE, \
+            nx7.to(tl.float32) * X_SCALE
+        row = tl.minimum(k0 // 8 + R, last)
+        nxt = tl.load(w_cols + (row + ri).to(tl.int64)[:, None] * stride_qk, mask=n_ok[None, :])
+        ns = tl.load(scales + (row * 8 // GROUP) * stride_sg + rn * stride_sn, mask=n_ok)
+        nz = tl.load(zeros + (row * 8 // GROUP) * stride_zg + rn * stride_zn, mask=n_ok)
+        nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = x8(x + (row + ri) * 8 * stride_xk, stride_xk, R)
+        p04, p15, p26, p37 = fp16_pair(x0, x4, ASM), fp16_pair(x1, x5, ASM), fp16_pair(x2, x6, ASM), fp16_pair(x3, x7, ASM)
+        sxr = ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))  # the zero point's share: z sum x
+        t = _dot8(w, p04[:, None], p15[:, None], p26[:, None], p37[:, None], nibbles, ASM)
+        acc2 += (t - z[None, :] * sxr[:, None]) * s[None, :]
+    acc = tl.sum(acc2, axis=0)
+    finish_split(acc[None, :], out, partials, counters, bias, tl.arange(0, 1), rn, n_ok[None, :], 1, N, N, stride_b,
+                 tl.program_id(0), tl.program_id(1), split, SPLIT_K, HAS_BIAS)
+
+
+def int4_gemv_config(n: int, k: int, group_size: int, compute_units: int) -> GemvConfig:
+    """256 columns and 32 features a step (fewer where the group is smaller) for two warps; K split
+    until there are about eight programs per compute unit (plugins/nvidia/scripts/gemv_sweep.py)."""
+    block_n, warps = 256, 2
+    block_k = 32 if group_size % 32 == 0 else 16 if group_size % 16 == 0 else 8
+    programs = triton.cdiv(n, block_n)
+    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(8 * compute_units, programs)))
+    return GemvConfig(block_n, block_k, split, warps)
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None, config: GemvConfig | None = None, asm: bool | None = None) -> torch.Tensor:
+    """x [K] or [1, K] (bfloat16 or float16) -> [N] or [1, N] in x.dtype; operands as ``int4_linear``
+    takes them (checked by the caller). ``asm``: the PTX products (default: where x is on a CUDA device),
+    else the float32 Triton form."""
+    k, n = x.shape[-1], qweight.shape[1]
+    cfg = config or int4_gemv_config(n, k, group_size, num_compute_units(x.device))
+    if group_size % cfg.block_k or cfg.block_k % 8:
+        raise ValueError(f"int4_gemv: block_k {cfg.block_k} must be a multiple of 8 dividing group size {group_size}")
+    row = x.reshape(k)
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    plan = row_split(k, n, cfg.block_k, cfg.block_n, cfg.split_k, out, "int4_gemv")
+    b = bias if bias is not None else out
+    _int4_pairs_kernel[(plan.blocks, plan.split)](
+        out, plan.partials, plan.counters, row, qweight, scales, zeros, b, n, k, plan.k_per_split, plan.split,
+        row.stride(0), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0),
+        GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
+        ASM=x.device.type == "cuda" if asm is None else asm, EVEN_N=n % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device))
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,140 @@
+"""The NVIDIA plugin's fp16-pair matrix-vector kernels (``chitu_nvidia.int4_gemv``, ``chitu_nvidia.fp8_gemv``)
+on the CPU, under Triton's interpreter: their float32 form (the PTX products need a GPU; the GPU
+conformance run checks those), every path the launchers take (split-K, ragged N, groups of 8 to 128,
+per-channel and block FP8 scales, bias, strided x), against the float64 reference; and which linears
+the NVIDIA ops send to them.
+"""
+
+import pytest
+import torch
+
+from test_triton_kernels import interpreter  # skips this module where that one is skipped
+
+from chitu_core.ops import quant_reference
+
+with interpreter():
+    from chitu_core.kernels.triton.gemv import GemvConfig
+    from chitu_core.kernels.triton.split_k import split_counters
+    from chitu_nvidia import fp8_gemv as fp8
+    from chitu_nvidia import int4_gemv as int4
+    from chitu_nvidia import ops
+
+
+@pytest.fixture(autouse=True)
+def _interpret():
+    with interpreter():
+        yield
+
+
+def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.double() - want) ** 2).sum() / (want**2).sum())
+
+
+# products and sums in float32 here; the bound is the output dtype's rounding, with room
+BOUND = {torch.float16: 2e-7, torch.bfloat16: 3e-5}
+
+
+def int4_operands(k: int, n: int, group: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(-(1 << 31), 1 << 31, (k // 8, n), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = ((torch.rand(k // group, n, generator=gen) * 0.5 + 0.5) * (2.0 / (15 * k**0.5))).to(dtype)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).to(dtype)
+    return torch.randn(1, k, generator=gen).to(dtype), qweight, scales, zeros
+
+
+INT4_CASES = [  # k, n, group, config (None: the default), dtype
+    (256, 64, 128, GemvConfig(32, 32, 1, 1), torch.float16),
+    (512, 96, 128, GemvConfig(64, 32, 4, 2), torch.float16),   # split-K, N ragged at the block
+    (1024, 40, 32, GemvConfig(16, 16, 3, 1), torch.bfloat16),  # groups of 32, three uneven slices
+    (256, 48, 8, None, torch.float16),                         # groups of 8: one packed row a step
+    (512, 512, 64, None, torch.bfloat16),                      # the default tiles
+]
+
+
+@pytest.mark.parametrize("k,n,group,config,dtype", INT4_CASES, ids=[f"K{c[0]}-N{c[1]}-g{c[2]}-{c[3]}-{c[4]}" for c in INT4_CASES])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_pairs_match_the_reference(k, n, group, config, dtype, bias):
+    x, qweight, scales, zeros = int4_operands(k, n, group, dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    got = int4.int4_gemv(x, qweight, scales, zeros, group, b, config)
+    want = quant_reference.int4_linear(x.double(), qweight, scales, zeros, group, None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (1, n)
+    assert nmse(got, want) < BOUND[dtype]
+    assert split_counters(x.device).count_nonzero() == 0
+
+
+def test_int4_pairs_read_strided_x_and_large_values():
+    x, qweight, scales, zeros = int4_operands(512, 64, 128, torch.float16, seed=3)
+    wide = torch.zeros(1, 1024, dtype=torch.float16)
+    wide[:, ::2] = x * 3000  # x's scale keeps products of |x| in the thousands inside fp16
+    got = int4.int4_gemv(wide[:, ::2], qweight, scales, zeros, 128, None)
+    want = quant_reference.int4_linear(wide[:, ::2].double(), qweight, scales, zeros, 128, None)
+    assert nmse(got, want) < BOUND[torch.float16]
+
+
+def fp8_operands(n: int, k: int, block, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    scales = (torch.rand(shape, generator=gen) * 0.5 + 0.5) * (1.0 / (100 * k**0.5))
+    return torch.randn(1, k, generator=gen).to(dtype), weight, scales
+
+
+FP8_CASES = [  # n, k, block, config, dtype
+    (96, 512, (128, 128), GemvConfig(32, 128, 3, 4), torch.float16),  # split-K, blocks of scales
+    (64, 256, None, GemvConfig(64, 128, 1, 2), torch.bfloat16),       # per-channel scales
+    (200, 384, (128, 128), GemvConfig(64, 128, 2, 4), torch.float16),  # N ragged at the block and the scale block
+    (72, 1024, None, None, torch.bfloat16),                            # the default tiles
+]
+
+
+@pytest.mark.parametrize("n,k,block,config,dtype", FP8_CASES, ids=[f"N{c[0]}-K{c[1]}-{c[2]}-{c[3]}-{c[4]}" for c in FP8_CASES])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_pairs_match_the_reference(n, k, block, config, dtype, bias):
+    x, weight, scales = fp8_operands(n, k, block, dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    got = fp8.fp8_gemv(x, weight, scales, block, b, config)
+    want = quant_reference.fp8_linear(x.double(), weight, scales, block, False, None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (1, n)
+    assert nmse(got, want) < BOUND[dtype]
+    assert split_counters(x.device).count_nonzero() == 0
+
+
+def test_fp8_fits_whole_steps_inside_a_scale_block():
+    w = torch.zeros(8, 256, dtype=torch.float8_e4m3fn)
+    assert fp8.fits(w, (128, 128)) and fp8.fits(w, None)
+    assert not fp8.fits(torch.zeros(8, 200, dtype=torch.float8_e4m3fn), None)  # K not whole steps
+    assert not fp8.fits(w, (128, 64))  # a step would span two scale blocks
+    assert not fp8.fits(w.t().contiguous().t(), None)  # K not contiguous
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8.fp8_gemv(torch.zeros(1, 200), torch.zeros(8, 200, dtype=torch.float8_e4m3fn), torch.ones(8), None, None)
+
+
+def test_configs_are_the_measured_tiles():
+    """The tiles picked are the ones the H100 sweep found fastest at Llama-3.1-8B's shapes (the config
+    functions' docstrings)."""
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    assert [int4.int4_gemv_config(n, k, 128, 132) for n, k in shapes] == [
+        GemvConfig(256, 32, 44, 2), GemvConfig(256, 32, 66, 2), GemvConfig(256, 32, 10, 2), GemvConfig(256, 32, 66, 2)]
+    assert int4.int4_gemv_config(4096, 4096, 16, 132).block_k == 16
+    assert [fp8.fp8_gemv_config(n, k, 132) for n, k in shapes] == [
+        GemvConfig(32, 128, 6, 4), GemvConfig(32, 128, 9, 4), GemvConfig(64, 128, 1, 8), GemvConfig(32, 128, 9, 2)]
+
+
+def test_the_nvidia_ops_send_one_row_of_16_bit_x_to_the_pair_kernels(monkeypatch):
+    calls = []
+    monkeypatch.setattr(int4, "int4_gemv", lambda *a, **k: calls.append("int4") or torch.zeros(1, a[1].shape[1]))
+    monkeypatch.setattr(fp8, "fp8_gemv", lambda *a, **k: calls.append("fp8") or torch.zeros(1, a[1].shape[0]))
+    x, qweight, scales, zeros = int4_operands(256, 64, 128, torch.float16)
+    ops.int4_linear(x, qweight, scales, zeros, 128, None)
+    ops.int4_linear(x.repeat(2, 1), qweight, scales, zeros, 128, None)  # two rows: the portable kernel
+    ops.int4_linear(x.float(), qweight, scales, zeros, 128, None)  # float32: the portable kernel
+    with pytest.raises(ValueError, match="int4_linear"):
+        ops.int4_linear(x, qweight, scales[:1], zeros, 128, None)  # checked before either
+    xf, weight, s8 = fp8_operands(64, 256, (128, 128), torch.bfloat16)
+    ops.fp8_linear(xf, weight, s8, (128, 128), False, None)
+    ops.fp8_linear(xf, weight, s8, (128, 128), True, None)  # activations quantized: the portable kernel
+    monkeypatch.setattr(ops, "PAIRS_GEMV", False)
+    ops.int4_linear(x, qweight, scales, zeros, 128, None)
+    ops.fp8_linear(xf, weight, s8, (128, 128), False, None)
+    assert calls == ["int4", "fp8"]
