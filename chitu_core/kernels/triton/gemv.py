@@ -116,17 +116,25 @@ def _int4_gemv_kernel(
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, config: GemvConfig | None = None) -> torch.Tensor:
     """x [K] or [1, K] -> [N] or [1, N] in x.dtype; operands checked by the caller (``int4_linear``)."""
+    cfg = config or gemv_config(qweight.shape[1], x.shape[-1], group_size, num_compute_units(x.device))
+    return launch_int4_gemv(_int4_gemv_kernel, x, qweight, scales, zeros, group_size, bias, cfg, "int4_gemv")
+
+
+def launch_int4_gemv(kernel, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int, bias: torch.Tensor | None, cfg: GemvConfig, what: str,
+                     **constexprs) -> torch.Tensor:
+    """Launch a one-row int4 kernel that takes ``_int4_gemv_kernel``'s arguments (and ``constexprs``
+    beside them) over ``cfg``'s column blocks and slices of K; the result as ``int4_gemv`` returns it."""
     k, n = x.shape[-1], qweight.shape[1]
-    cfg = config or gemv_config(n, k, group_size, num_compute_units(x.device))
     if group_size % cfg.block_k or cfg.block_k % 8:
-        raise ValueError(f"int4_gemv: block_k {cfg.block_k} must be a multiple of 8 dividing group size {group_size}")
+        raise ValueError(f"{what}: block_k {cfg.block_k} must be a multiple of 8 dividing group size {group_size}")
     row = x.reshape(k)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    plan = row_split(k, n, cfg.block_k, cfg.block_n, cfg.split_k, out, "int4_gemv")
+    plan = row_split(k, n, cfg.block_k, cfg.block_n, cfg.split_k, out, what)
     b = bias if bias is not None else out
-    _int4_gemv_kernel[(plan.blocks, plan.split)](
+    kernel[(plan.blocks, plan.split)](
         out, plan.partials, plan.counters, row, qweight, scales, zeros, b, n, k, plan.k_per_split, plan.split,
         row.stride(0), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0),
         GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device))
+        **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device))
     return out.reshape(*x.shape[:-1], n)

@@ -6,17 +6,17 @@ The weight [N, K] float8_e4m3fn is read as int32 words of four bytes along K. Ea
 instructions for its four weights: two ``cvt.rn.f16x2.e4m3x2`` (two e4m3 bytes to an fp16 pair, exact:
 every e4m3 value is an fp16 value), a multiply and a fused multiply-add in fp16 pairs against x's pairs
 (x_k, x_{k+1}), and the pair's halves widened to float32 and added: two products per half in fp16, all
-else float32. x is scaled by 2^-10 (exact) before it is rounded to fp16, so a sum of
-four products (|w| <= 448) overflows only for |x| above about 37,000; the scale comes back in float32
+else float32. x is scaled by 2^-10 (exact) before it is rounded to fp16, so a half's sum of two
+products (|w| <= 448) overflows only for |x| above about 74,000; the scale comes back in float32
 with the weight's scales (per 128 x 128 block, or per output channel after the loop).
 
 A program owns BLOCK_N rows of the weight and one of ``split`` slices of K, BLOCK_K features a step (one
 scale block along K), the next step's words, x and scales loaded a step ahead; split-K partial sums are
 added in a fixed order by the slice that finishes last (``split_k.finish_split``). Dependent launch
-with the first words issued before the wait. On an H100 (plugins/nvidia/scripts/gemv_sweep.py) it
-reads Llama-3.1-8B's gate/up weights at 0.82 of the byte floor (``quant_matmul``'s tiles: 0.72), the
-others at 0.51-0.69 (0.44-0.63). On other devices (the interpreter) the same sums run in float32
-Triton (``ASM=False``), differing only by the fp16 roundings.
+with the first words issued before the wait. On an H100 (plugins/nvidia/scripts/gemv_sweep.py, page
+docs/benchmarks/nvidia-h100-pairs-gemv.md) it reads Llama-3.1-8B's gate/up weights at 0.79 of the byte
+floor (``quant_matmul``'s tiles: 0.70), the others at 0.49-0.67 (0.43-0.65). On other devices (the
+interpreter) the same sums run in float32 Triton (``ASM=False``), differing only by the fp16 roundings.
 """
 
 import torch

@@ -9,17 +9,19 @@ about 6 a nibble in the portable kernel (``chitu_core.kernels.triton.gemv``):
 * one multiply and three fused multiply-adds in fp16 pairs meet them with x's pairs (x_j, x_{j+4});
 * the pair's two halves widen to float32 and add: four products per half in fp16, all else float32.
 
-x is scaled by 1/64 (exact, a power of two) before it is rounded to fp16, so a sum of products overflows
-only for |x| above about 17,000 (fp16's range is 65,504); the scale comes back in float32, as do the
-zero point (z times the float32 sum of the word's eight x) and the group's scale. The fp16 roundings
+x is scaled by 1/64 (exact, a power of two) before it is rounded to fp16, so a half's sum of four
+products (q <= 15) overflows only for |x| above about 70,000 (fp16's range is 65,504); the scale comes
+back in float32, as do the zero point (z times the float32 sum of the word's eight x) and the group's
+scale. The fp16 roundings
 cost about 2^-11 of a product, under bfloat16's own 2^-9 on the output (conformance: ``int4_linear``).
 
 A program owns BLOCK_N columns and a slice of K; every operand of a step (words, the group's scales
 and zeros, x: one [R, 8] load) is loaded a step ahead; split-K partial sums are added in a fixed order
 by the slice that finishes last (``split_k.finish_split``); dependent launch with the first words,
-scales and zeros issued before the wait. On an H100 (plugins/nvidia/scripts/gemv_sweep.py) it reads
-Llama-3.1-8B's gate/up weights at 0.68 of the byte floor (portable: 0.53) and the smaller ones at
-0.30-0.52, where a kernel's start and split-K finish weigh as much as its bytes. On other devices
+scales and zeros issued before the wait. On an H100 (plugins/nvidia/scripts/gemv_sweep.py, page
+docs/benchmarks/nvidia-h100-pairs-gemv.md) it reads Llama-3.1-8B's gate/up weights at 0.62 of the byte
+floor (portable: 0.50) and the smaller ones at 0.27-0.48 (0.30-0.43: o_proj's 4096 x 4096 is slower
+here), where a kernel's start and split-K finish weigh as much as its bytes. On other devices
 (the interpreter) the same sums run in float32 Triton (``ASM=False``), differing only by the fp16
 roundings.
 """
@@ -29,9 +31,9 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import num_compute_units
-from chitu_core.kernels.triton.gemv import GemvConfig, x8
-from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
-from chitu_core.kernels.triton.split_k import finish_split, row_slice, row_split
+from chitu_core.kernels.triton.gemv import GemvConfig, launch_int4_gemv, x8
+from chitu_core.kernels.triton.pdl import gdc_enter
+from chitu_core.kernels.triton.split_k import finish_split, row_slice
 
 X_SCALE = tl.constexpr(1.0 / 64.0)
 X_UNSCALE = tl.constexpr(64.0)
@@ -81,11 +83,12 @@ def pair_half(pair, J: tl.constexpr):
 
 
 @triton.jit
-def _dot8(w, x04, x15, x26, x37, mask, ASM: tl.constexpr):
-    """Sum over j of q_j x_j for each word of w (nibble j = q_j), x_j and x_{j+4} given as fp16 pairs."""
+def _dot8(w, x04, x15, x26, x37, nibble_mask, ASM: tl.constexpr):
+    """Sum over j of q_j x_j for each word of w (nibble j = q_j), x_j and x_{j+4} given as fp16 pairs;
+    nibble_mask: 0x000F000F in a register (the PTX's masks share it)."""
     if ASM:
-        return tl.inline_asm_elementwise(_DOT8, "=f,r,r,r,r,r,r", [w, x04, x15, x26, x37, mask], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_DOT8, "=f,r,r,r,r,r,r", [w, x04, x15, x26, x37, nibble_mask],
+                                         dtype=tl.float32, is_pure=True, pack=1)
     t = ((w & 0xF).to(tl.float32) * pair_half(x04, 0) + ((w >> 16) & 0xF).to(tl.float32) * pair_half(x04, 1))
     t += ((w >> 4) & 0xF).to(tl.float32) * pair_half(x15, 0) + ((w >> 20) & 0xF).to(tl.float32) * pair_half(x15, 1)
     t += ((w >> 8) & 0xF).to(tl.float32) * pair_half(x26, 0) + ((w >> 24) & 0xF).to(tl.float32) * pair_half(x26, 1)
@@ -127,7 +130,8 @@ def _int4_pairs_kernel(
         ns = tl.load(scales + (row * 8 // GROUP) * stride_sg + rn * stride_sn, mask=n_ok)
         nz = tl.load(zeros + (row * 8 // GROUP) * stride_zg + rn * stride_zn, mask=n_ok)
         nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = x8(x + (row + ri) * 8 * stride_xk, stride_xk, R)
-        p04, p15, p26, p37 = fp16_pair(x0, x4, ASM), fp16_pair(x1, x5, ASM), fp16_pair(x2, x6, ASM), fp16_pair(x3, x7, ASM)
+        p04, p15 = fp16_pair(x0, x4, ASM), fp16_pair(x1, x5, ASM)
+        p26, p37 = fp16_pair(x2, x6, ASM), fp16_pair(x3, x7, ASM)
         sxr = ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))  # the zero point's share: z sum x
         t = _dot8(w, p04[:, None], p15[:, None], p26[:, None], p37[:, None], nibbles, ASM)
         acc2 += (t - z[None, :] * sxr[:, None]) * s[None, :]
@@ -151,17 +155,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     """x [K] or [1, K] (bfloat16 or float16) -> [N] or [1, N] in x.dtype; operands as ``int4_linear``
     takes them (checked by the caller). ``asm``: the PTX products (default: where x is on a CUDA device),
     else the float32 Triton form."""
-    k, n = x.shape[-1], qweight.shape[1]
-    cfg = config or int4_gemv_config(n, k, group_size, num_compute_units(x.device))
-    if group_size % cfg.block_k or cfg.block_k % 8:
-        raise ValueError(f"int4_gemv: block_k {cfg.block_k} must be a multiple of 8 dividing group size {group_size}")
-    row = x.reshape(k)
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
-    plan = row_split(k, n, cfg.block_k, cfg.block_n, cfg.split_k, out, "int4_gemv")
-    b = bias if bias is not None else out
-    _int4_pairs_kernel[(plan.blocks, plan.split)](
-        out, plan.partials, plan.counters, row, qweight, scales, zeros, b, n, k, plan.k_per_split, plan.split,
-        row.stride(0), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0),
-        GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
-        ASM=x.device.type == "cuda" if asm is None else asm, EVEN_N=n % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device))
-    return out.reshape(*x.shape[:-1], n)
+    n = qweight.shape[1]
+    cfg = config or int4_gemv_config(n, x.shape[-1], group_size, num_compute_units(x.device))
+    return launch_int4_gemv(_int4_pairs_kernel, x, qweight, scales, zeros, group_size, bias, cfg, "int4_gemv (pairs)",
+                            ASM=x.device.type == "cuda" if asm is None else asm, EVEN_N=n % cfg.block_n == 0)

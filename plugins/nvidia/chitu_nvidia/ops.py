@@ -51,6 +51,7 @@ _dense_gemv: Callable | None = None  # bound by nvidia_ops(), which runs only wh
 _fused_gemv: Callable | None = None
 _MAX_ROWS = 0
 _unfused: dict[str, Callable] = {}  # the Triton rms_norm and gated activations, for the shapes the kernel leaves
+_pairs: dict[str, Callable] = {}  # the fp16-pair kernels, the portable int4/fp8 linears they stand before, their checks
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,29 +80,22 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """int4_linear: one row of bfloat16 or float16 x on ``int4_gemv``, else the portable kernel."""
-    from chitu_core.kernels.triton import int4_linear as portable
-
     rows = x.numel() // max(1, x.shape[-1])
     if rows != 1 or x.dtype not in (torch.bfloat16, torch.float16) or not PAIRS_GEMV or qweight.shape[-1] == 0:
-        return portable.int4_linear(x, qweight, scales, zeros, group_size, bias)
-    from chitu_nvidia.int4_gemv import int4_gemv
-
-    portable.check_operands(x, qweight, scales, zeros, group_size)
-    return int4_gemv(x, qweight, scales, zeros, group_size, bias)
+        return _pairs["int4_linear"](x, qweight, scales, zeros, group_size, bias)
+    _pairs["int4_check"](x, qweight, scales, zeros, group_size)
+    return _pairs["int4_gemv"](x, qweight, scales, zeros, group_size, bias)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None,
                act_quant: bool, bias: torch.Tensor | None) -> torch.Tensor:
     """fp8_linear: one row of bfloat16 or float16 x, not quantized, on ``fp8_gemv``; else the portable kernel."""
-    from chitu_core.kernels.triton import fp8_linear as portable
-    from chitu_nvidia import fp8_gemv
-
     rows = x.numel() // max(1, x.shape[-1])
     if (rows != 1 or act_quant or x.dtype not in (torch.bfloat16, torch.float16) or not PAIRS_GEMV
-            or weight.shape[0] == 0 or not fp8_gemv.fits(weight, block_size)):
-        return portable.fp8_linear(x, weight, scales, block_size, act_quant, bias)
-    portable.check_operands(weight, scales, block_size)
-    return fp8_gemv.fp8_gemv(x, weight, scales, block_size, bias)
+            or weight.shape[0] == 0 or not _pairs["fp8_fits"](weight, block_size)):
+        return _pairs["fp8_linear"](x, weight, scales, block_size, act_quant, bias)
+    _pairs["fp8_check"](weight, scales, block_size)
+    return _pairs["fp8_gemv"](x, weight, scales, block_size, bias)
 
 
 def _fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -135,14 +129,21 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def nvidia_ops() -> dict[str, Callable]:
     """Called only where triton is installed (``TritonBackend.native_ops``)."""
     global _dense_gemv, _fused_gemv, _MAX_ROWS
+    from chitu_core.kernels.triton import fp8_linear as portable_fp8
+    from chitu_core.kernels.triton import int4_linear as portable_int4
     from chitu_core.kernels.triton import pdl
     from chitu_core.kernels.triton.activation import gelu_and_mul, silu_and_mul
     from chitu_core.kernels.triton.dense_gemv import dense_gemv
     from chitu_core.kernels.triton.fused_gemv import MAX_ROWS, fused_gemv
     from chitu_core.kernels.triton.mla_inputs import mla_inputs
     from chitu_core.kernels.triton.rms_norm import rms_norm
+    from chitu_nvidia.fp8_gemv import fits, fp8_gemv
+    from chitu_nvidia.int4_gemv import int4_gemv
 
     _dense_gemv = dense_gemv
+    _pairs.update(int4_gemv=int4_gemv, int4_linear=portable_int4.int4_linear, int4_check=portable_int4.check_operands,
+                  fp8_gemv=fp8_gemv, fp8_fits=fits, fp8_linear=portable_fp8.fp8_linear,
+                  fp8_check=portable_fp8.check_operands)
     _fused_gemv, _MAX_ROWS = (fused_gemv if MAX_FUSED_N > 0 else None), MAX_ROWS
     _unfused.update(rms_norm=rms_norm, silu_and_mul=silu_and_mul, gelu_and_mul=gelu_and_mul)
     pdl.allow()  # Hopper and newer: the decode path's kernels launch dependent (pdl.pdl_launch checks the device)

@@ -134,8 +134,8 @@ def fp8_rows(sname, x, n, k, units, bw):
                  f"{nmse(fp8_gemv(x, w, s, block, None), want):.1e}", ""))
     us, cfg = best_of(lambda c: (lambda w, s, *_: fp8_gemv(x, w, s, block, None, c)), fp8_configs(n, units), sets)
     got, again = fp8_gemv(x, w, s, block, None, cfg), fp8_gemv(x, w, s, block, None, cfg)
-    rows.append((sname, "fp8 pairs gemv", str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}", f"{nmse(got, want):.1e}",
-                 "yes" if torch.equal(got, again) else "NO"))
+    rows.append((sname, "fp8 pairs gemv", str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}",
+                 f"{nmse(got, want):.1e}", "yes" if torch.equal(got, again) else "NO"))
     return rows
 
 
