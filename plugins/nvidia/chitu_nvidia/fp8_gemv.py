@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from chitu_core.kernels.triton.act_quant import decode_e4m3_bytes
 from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 from chitu_core.kernels.triton.split_k import finish_split, row_slice, row_split
@@ -50,13 +51,9 @@ add.f32 $0, fe, ff;
 
 
 @triton.jit
-def _e4m3(byte):
-    """float32 of e4m3 bits (int32 0..255; the finite values, as float8_e4m3fn has no infinities)."""
-    sign = tl.where(byte >= 128, -1.0, 1.0)
-    e = (byte >> 3) & 0xF
-    m = (byte & 0x7).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
-    return sign * mag
+def _e4m3(w, SHIFT: tl.constexpr):
+    """float32 of the e4m3 byte at bit SHIFT of each word of w (``act_quant.decode_e4m3_bytes``, exact)."""
+    return decode_e4m3_bytes(((w >> SHIFT) & 0xFF).to(tl.uint8)).to(tl.float32) * 256.0  # FP8_BYTES_FACTOR
 
 
 @triton.jit
@@ -65,8 +62,8 @@ def _dot(w, p01, p23, ASM: tl.constexpr):
     (x_{4i}, x_{4i+1}) and (x_{4i+2}, x_{4i+3})."""
     if ASM:
         return tl.inline_asm_elementwise(_DOT4, "=f,r,r,r", [w, p01, p23], dtype=tl.float32, is_pure=True, pack=1)
-    t = _e4m3(w & 0xFF) * pair_half(p01, 0) + _e4m3((w >> 8) & 0xFF) * pair_half(p01, 1)
-    return t + _e4m3((w >> 16) & 0xFF) * pair_half(p23, 0) + _e4m3((w >> 24) & 0xFF) * pair_half(p23, 1)
+    t = _e4m3(w, 0) * pair_half(p01, 0) + _e4m3(w, 8) * pair_half(p01, 1)
+    return t + _e4m3(w, 16) * pair_half(p23, 0) + _e4m3(w, 24) * pair_half(p23, 1)
 
 
 @triton.jit
