@@ -46,15 +46,15 @@ CHITU_SPLIT_KEYS_ALONE sets another (256: as batches)."""
 
 
 def decode_splits(programs: int, num_compute_units: int, max_query_len: int, num_seqs: int, max_seq_len: int,
-                  least: int, least_alone: int, most: int) -> int:
+                  least: int, least_alone: int, most: int, fill: int = 2) -> int:
     """Key ranges for a step's attention (regular and latent): one, unless it is a pure decode step whose
     ``programs`` would leave the device under-filled (fewer than 2 per compute unit) and whose contexts
-    hold two ranges of ``least`` keys (``least_alone`` for a sequence decoding alone); then as many as
-    fill it, at most ``most`` and no range shorter than that bound."""
-    target, keys = 2 * num_compute_units, least_alone if num_seqs == 1 else least
-    if max_query_len != 1 or programs >= target or max_seq_len < 2 * keys:
+    hold two ranges of ``least`` keys (``least_alone`` for a sequence decoding alone); then enough for
+    ``fill`` programs per compute unit, at most ``most`` and no range shorter than that bound."""
+    keys = least_alone if num_seqs == 1 else least
+    if max_query_len != 1 or programs >= 2 * num_compute_units or max_seq_len < 2 * keys:
         return 1
-    return max(1, min(most, -(-target // programs), max_seq_len // keys))
+    return max(1, min(most, -(-fill * num_compute_units // programs), max_seq_len // keys))
 
 
 @triton.jit
@@ -192,6 +192,7 @@ class TileConfig:
     warps: int = 4
     wide_warps: int = 8
     decode_stages: int | None = None  # pipeline stages of the key loop in decode-sized plans (None: Triton's default)
+    decode_fill: int = 2  # programs per compute unit a split decode aims at (``decode_splits``' fill)
 
 
 DEFAULT_TILES = TileConfig()
@@ -217,9 +218,10 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
     takes more than 512 bytes (head_dim 256 in float32). Split
     the keys only in pure decode steps whose (sequence, kv head) programs would leave the device
     under-filled (fewer than 2 per compute unit) and whose contexts are long (at least two ranges),
-    into at most 16 ranges of at least ``MIN_SPLIT_KEYS`` keys (``MIN_SPLIT_KEYS_ALONE`` for a batch
-    of one). ``num_splits`` forces a count (tests, tuning); ``tiles`` is the device's configuration
-    (the defaults: 16 KB key tiles, 4 or 8 warps of 32 threads)."""
+    into enough ranges for ``tiles.decode_fill`` programs per compute unit, at most 16 of at least
+    ``MIN_SPLIT_KEYS`` keys (``MIN_SPLIT_KEYS_ALONE`` for a batch of one). ``num_splits`` forces a count
+    (tests, tuning); ``tiles`` is the device's configuration (the defaults: 16 KB key tiles, 4 or 8 warps
+    of 32 threads, a fill of 2)."""
     group_p = pow2(num_heads // num_kv_heads)
     small = max_query_len * group_p <= 16
     row_bytes = pow2(head_dim, at_least=16) * dtype_bytes
@@ -227,7 +229,7 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
     block_n = max(16, min(64, tiles.key_tile_bytes // row_bytes))
     if num_splits is None:
         num_splits = decode_splits(num_seqs * num_kv_heads, num_compute_units, max_query_len, num_seqs, max_seq_len,
-                                   MIN_SPLIT_KEYS, MIN_SPLIT_KEYS_ALONE, 16)
+                                   MIN_SPLIT_KEYS, MIN_SPLIT_KEYS_ALONE, 16, tiles.decode_fill)
     return AttentionPlan(block_m, block_n, num_splits, tiles.warps if block_m <= 64 else tiles.wide_warps,
                          tiles.decode_stages if small else None)
 

@@ -24,7 +24,8 @@ DEV = torch.device("cuda")
 BLOCK = 16
 # (name, batch, context, query heads, kv heads)
 SHAPES = [("8b-b64", 64, 256, 32, 8), ("8b-tp2-b64", 64, 256, 16, 4), ("8b-b1", 1, 256, 32, 8),
-          ("8b-tp2-b1", 1, 256, 16, 4), ("1.7b-b4-8k", 4, 8000, 16, 8), ("1.7b-b128-512", 128, 512, 16, 8)]
+          ("8b-tp2-b1", 1, 256, 16, 4), ("1.7b-b4-8k", 4, 8000, 16, 8), ("1.7b-b4-32k", 4, 32000, 16, 8),
+          ("1.7b-b128-512", 128, 512, 16, 8)]
 TILES = [TileConfig(16 << 10, 4), TileConfig(16 << 10, 4, decode_stages=2), TileConfig(16 << 10, 4, decode_stages=4),
          TileConfig(16 << 10, 8), TileConfig(32 << 10, 4), TileConfig(32 << 10, 8), TileConfig(32 << 10, 8, decode_stages=2),
          TileConfig(8 << 10, 4), TileConfig(8 << 10, 2)]
