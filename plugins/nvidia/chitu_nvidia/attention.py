@@ -35,8 +35,9 @@ class NvidiaTritonAttention(FP8OnAdaAndNewer, TritonPagedAttention):
     # Two pipeline stages in the key loop: on an H100 (scripts/attention_sweep.py, 256-token contexts)
     # decode at batch 64 took 30.6 us against 32.9 with Triton's default, batch 1 8.6 against 9.5;
     # 8,000-token contexts alike. A split decode fills 3 programs per SM (CHITU_DECODE_FILL sets another):
-    # Qwen3-1.7B's 4 sequences x 8 kv heads split 13 ways instead of 9, at 8,000 tokens 57.8 -> 56.0 us,
-    # at 32,000 194.9 -> 186.5 us (95% of the bytes' floor).
+    # Qwen3-1.7B's 4 sequences x 8 kv heads split 13 ways instead of 9; at 32,000 tokens the kernel took
+    # 186.5 us against 194.9 (95% of its bytes' floor) and batch 4 decoded 563.8 tok/s against 555.0; at
+    # 8,000 tokens about the same (docs/benchmarks/nvidia-h100-decode-fill.md).
     tiles = TileConfig(decode_stages=2, decode_fill=int(os.environ.get("CHITU_DECODE_FILL", 3)))
     fuses_qk_norm = os.environ.get("CHITU_QK_NORM_FUSION", "1") != "0"  # 0: the separate norms (to compare)
 
