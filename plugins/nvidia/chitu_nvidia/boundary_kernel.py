@@ -88,12 +88,10 @@ def _boundary_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_ptrs, flag
         for r in tl.static_range(WORLD):
             total += tl.load(own + r * slot + row * h + cols, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
         residual = tl.load(res_ptr + row * h + cols, mask=inside, other=0.0).to(tl.float32)
-        summed = (total.to(dtype).to(tl.float32) + residual).to(dtype)  # the all-reduce's, then the add's rounding
-        tl.store(res_out_ptr + row * h + cols, summed, mask=inside)
-        s = summed.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)
-        normed = (s * rstd).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row * h + cols, (normed * w).to(dtype), mask=inside)
+        s = total.to(dtype).to(tl.float32) + residual  # the all-reduce's rounding; the add's sum in float32
+        tl.store(res_out_ptr + row * h + cols, s.to(dtype), mask=inside)
+        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)  # as fused_add_rms_norm: the float32 sum normalised,
+        tl.store(out_ptr + row * h + cols, (s * rstd * w).to(dtype), mask=inside)  # times the weight, rounded once
     tl.store(epoch_ptr + pid, epoch)
 
 
