@@ -24,7 +24,20 @@ def allreduce_lines(r: dict[str, Any]) -> list[str]:
                   "the two outputs checked bit for bit against each other.", "",
                   "| rows | composed us | one kernel us | one kernel taken | bitwise equal |", "|---|---|---|---|---|"]
         lines += [f"| {x['rows']} | {x['composed_us']} | {x['fused_us']} | {x['fused']} | {x['equal']} |" for x in r["boundary"]]
+    if r.get("linear"):
+        lines += ["", "The row-parallel linear at batch 1 with its all-reduce and residual add (contract 1.13) "
+                  "at one rank's share of Llama-3.1-8B's projections (bf16, one row; outputs x inputs): `linear`, "
+                  "the fast all-reduce and the add (composed), and the backend's one-kernel `linear_add`; each "
+                  "against float64 (NMSE), and the largest difference between the two.", "",
+                  "| shape | composed us | one kernel us | one kernel taken | NMSE composed | NMSE one kernel | "
+                  "largest difference |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {x['name']} {x['n']}x{x['k']} | {x['composed_us']} | {x['fused_us']} | {x['fused']} | "
+                  f"{x['composed_nmse']:.2e} | {_sci(x['fused_nmse'])} | {x['max_diff']} |" for x in r["linear"]]
     return lines
+
+
+def _sci(v) -> str:
+    return "-" if v is None else f"{v:.2e}"
 
 
 def cpu_experts_lines(r: dict[str, Any]) -> list[str]:

@@ -7,7 +7,10 @@ one-device machine. Every value is a small integer, exact in every dtype, so res
 exactly; operands that a collective does not own must come back unchanged. The layer boundary
 ``all_reduce_add_rms_norm`` (contract 1.5) is held to the norm family's tolerance against the float64
 reference: its residual (the sum) is compared exactly, its norm as ``fused_add_rms_norm``'s; it is
-"native" where the backend's small-message all-reduce fuses it and the message fits.
+"native" where the backend's small-message all-reduce fuses it and the message fits. The row-parallel
+linear with its all-reduce and residual add, ``linear_all_reduce_add`` (contract 1.13), is held to the
+fused products' tolerance against float64, each rank's weight in the backend's layout; "native" where
+the backend's ``linear_add`` took the case.
 """
 
 import json
@@ -22,7 +25,7 @@ import torch
 
 from chitu_core.backend import Backend
 from chitu_core.conformance.case import Case, Outcome, Perf, PerfOptions, Target, time_call
-from chitu_core.conformance.compare import Verdict, compare
+from chitu_core.conformance.compare import Verdict, compare, worst
 from chitu_core.conformance.thresholds import DTYPES, ThresholdBook, default, dtype_name
 from chitu_core.ops import reference
 
@@ -43,8 +46,13 @@ VARIANTS = [
     ("all_reduce_add_rms_norm", "1x4096 (a decode step)", (1, 4096)),
     ("all_reduce_add_rms_norm", "64x4096 (512 KB in bf16)", (64, 4096)),
     ("all_reduce_add_rms_norm", "3x5120", (3, 5120)), ("all_reduce_add_rms_norm", "130x4096", (130, 4096)),
+    # (rows, one rank's inputs, outputs)
+    ("linear_all_reduce_add", "1x2048 -> 4096 (a decode step's o_proj share)", (1, 2048, 4096)),
+    ("linear_all_reduce_add", "1x7168 -> 4096 with bias", (1, 7168, 4096)),
+    ("linear_all_reduce_add", "3x256 -> 640 with bias", (3, 256, 640)),
 ]
 EPS = 1e-6
+FUSED_ROWS = {"all_reduce_add_rms_norm": "norm", "linear_all_reduce_add": "fused_matmul"}  # row: its family
 
 
 def rank_values(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -56,7 +64,7 @@ def rank_values(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
 
 
 def _check(comm, ops, row: str, label: str, shape, dtype, device) -> tuple[str, object]:
-    """(problem or "", the call to time) for one variant on this rank."""
+    """(problem or "", the call to time) for one variant on this rank (``linear_all_reduce_add``: ``_check_linear``)."""
     rank = comm.rank
     mine = rank_values(rank, shape, dtype).to(device)
     every = [rank_values(r, shape, dtype).to(device) for r in range(WORLD)]
@@ -123,8 +131,43 @@ def _check_boundary(comm, ops, mine, total, dtype, device) -> tuple[str, object]
     return "", lambda: comm.all_reduce_add_rms_norm(x, residual, weight, EPS, ops)
 
 
-def _fused(comm, row: str, shape, dtype) -> bool:
-    """Whether the backend's own one-pass boundary takes this case (its source is "native")."""
+def _check_linear(comm, ops, shape, bias: bool, dtype, device, transposed: bool) -> tuple[str, object, Verdict | None]:
+    """linear_all_reduce_add of the ranks' x and weights, one bias and one residual, against float64; and
+    the passing verdict."""
+    rows, k, n = shape
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(rows, k, generator=gen).to(dtype) for _ in range(WORLD)]
+    ws = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype) for _ in range(WORLD)]
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    residual = torch.randn(rows, n, generator=gen).to(dtype)
+    want = residual.double() + sum(x.double() @ w.double().T for x, w in zip(xs, ws))
+    want = want if b is None else want + b.double()
+    x, w = xs[comm.rank].to(device), ws[comm.rank].to(device)
+    w = w.t().contiguous().t() if transposed else w
+    res, b = residual.to(device), None if b is None else b.to(device)
+    kept = [t.clone() for t in (x, w, res, b) if t is not None]
+    out = comm.linear_all_reduce_add(x, w, b, res, ops)
+    if not all(torch.equal(t, c) for t, c in zip([t for t in (x, w, res, b) if t is not None], kept)):
+        return "linear_all_reduce_add modified an operand", None, None
+    verdict = compare(out, want, default("fused_matmul", dtype), "out")
+    if not verdict.ok:
+        return f"linear_all_reduce_add: {verdict.detail}", None, None
+    return "", lambda: comm.linear_all_reduce_add(x, w, b, res, ops), verdict
+
+
+def _fused(comm, row: str, shape, dtype, device, transposed: bool) -> bool:
+    """Whether the backend's own one-pass path takes this case (its source is "native"). For the linear,
+    asked of its ``linear_add`` on zeros, the weight in the backend's layout (every rank asks alike: the
+    call is a collective)."""
+    if row == "linear_all_reduce_add":
+        fast = getattr(comm.fast, "linear_add", None)
+        rows, k, n = shape
+        if fast is None or not comm._fits(torch.empty(rows, n, dtype=dtype, device="meta")):
+            return False
+        w = torch.zeros(k, n, dtype=dtype, device=device).t() if transposed else torch.zeros(n, k, dtype=dtype,
+                                                                                               device=device)
+        return fast(torch.zeros(rows, k, dtype=dtype, device=device), w, None,
+                    torch.zeros(rows, n, dtype=dtype, device=device)) is not None
     if row != "all_reduce_add_rms_norm" or getattr(comm.fast, "add_rms_norm", None) is None:
         return False
     return comm._fits(torch.empty(shape, dtype=dtype, device="meta"))
@@ -137,6 +180,8 @@ class RankResult:
     perf_us: float | None = None
     gbps: float | None = None
     fused: bool = False
+    error: float | None = None  # a passing case's worst error and its bound, where it has them
+    bound: float | None = None
 
 
 def _rank_main(rank: int, port: int, backend_name: str, todo: list[tuple[str, str, str]], out_dir: str,
@@ -155,16 +200,23 @@ def _rank_main(rank: int, port: int, backend_name: str, todo: list[tuple[str, st
     comm.use_fast_all_reduce(backend)  # as the engine does: small messages take the backend's own path
     ops = backend_ops(backend)
     shapes = {(row, label): shape for row, label, shape in VARIANTS}
+    transposed = backend.transposed_linear_weights()
     results = []
     try:
         for row, label, dtype_str in todo:
             dtype = getattr(torch, dtype_str)
             key = f"{row}|{label}|{dtype_str}"
             try:
-                problem, call = _check(comm, ops, row, label, shapes[(row, label)], dtype, device)
+                shape, passed = shapes[(row, label)], None
+                if row == "linear_all_reduce_add":  # the one row with an error to report beside its bound
+                    problem, call, passed = _check_linear(comm, ops, shape, "with bias" in label, dtype, device,
+                                                          transposed)
+                else:
+                    problem, call = _check(comm, ops, row, label, shape, dtype, device)
             except Exception as exc:  # the backend's own failure is the case's result
-                problem, call = f"raised {type(exc).__name__}: {exc}", None
-            result = RankResult(key, problem, fused=_fused(comm, row, shapes[(row, label)], dtype))
+                problem, call, passed = f"raised {type(exc).__name__}: {exc}", None, None
+            result = RankResult(key, problem, fused=_fused(comm, row, shapes[(row, label)], dtype, device, transposed),
+                                error=passed and passed.error, bound=passed and passed.bound)
             # Time only where both ranks have a call that passed: a collective timed on one rank alone hangs.
             ready = torch.tensor([int(call is not None and not problem)], dtype=torch.int32, device=device)
             if perf is not None and int(comm.all_reduce(ready)) == WORLD:
@@ -213,10 +265,13 @@ class CollectiveBatch:
         outcomes, source = [], collective_source(target.backend)
         for i, _ in enumerate(cases):
             problems = [f"rank {r}: {rows[i]['problem']}" for r, rows in enumerate(ranks) if rows[i]["problem"]]
-            verdict = Verdict(False, 1.0, 0.0, "; ".join(problems)) if problems else Verdict(True, 0.0, 0.0)
+            if problems:
+                verdict = Verdict(False, 1.0, 0.0, "; ".join(problems))
+            else:
+                verdict = worst([Verdict(True, rows[i]["error"] or 0.0, rows[i]["bound"] or 0.0) for rows in ranks])
             us = ranks[0][i]["perf_us"]
-            # The boundary row is "native" only where the backend fuses it, else the core composes it.
-            own = "native" if ranks[0][i]["fused"] else "fallback" if cases[i].row == "all_reduce_add_rms_norm" else source
+            # The fused rows are "native" only where the backend fuses them, else the core composes them.
+            own = "native" if ranks[0][i]["fused"] else "fallback" if cases[i].row in FUSED_ROWS else source
             outcomes.append(Outcome(verdict, own, Perf(us, ranks[0][i]["gbps"]) if us else None))
         return outcomes
 
@@ -236,6 +291,6 @@ def collective_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
         for row, label, _ in VARIANTS:
             params = {"world_size": WORLD, "device_count": backend.device_count(),
                       "process_group_backend": backend.process_group_backend()}
-            family = "norm" if row == "all_reduce_add_rms_norm" else "collective"
+            family = FUSED_ROWS.get(row, "collective")
             cases.append(Case(row, row, family, dtype, params, label, batch=batch))
     return cases

@@ -100,10 +100,11 @@ FAMILIES: dict[str, Family] = {
     "matmul": Family("nmse", ("linear",), "float32 accumulation, output rounded", _ACCUMULATED),
     "float32_matmul": Family("nmse", ("linear_float32",), "x widened exactly, float32 weight, products and sums "
                              "in float32, float32 output whatever x's dtype", _FLOAT32_ACCUMULATED),
-    "fused_matmul": Family("nmse", ("rms_norm_linear", "linear_add", "mla_inputs"), "a norm (or a residual) around "
-                           "a linear, float32 accumulation: the normed input, the product and the gated activation may "
-                           "each be rounded (as unfused ops round them) or kept in float32 until the output; "
-                           "mla_inputs: per-head products beside a norm and rotations", _ACCUMULATED),
+    "fused_matmul": Family("nmse", ("rms_norm_linear", "linear_add", "mla_inputs", "linear_all_reduce_add"),
+                           "a norm (or a residual) around a linear, float32 accumulation: the normed input, the "
+                           "product and the gated activation may each be rounded (as unfused ops round them) or kept "
+                           "in float32 until the output; mla_inputs: per-head products beside a norm and rotations; "
+                           "linear_all_reduce_add: each rank's product rounded, then their sum", _ACCUMULATED),
     "route": Family("close", ("moe_route",), "ids exact and weights float32 by contract, the k entries of a row "
                     "compared in id order; softmax or sigmoid, a sum and a division in float32; cases keep every "
                     "top-k and group boundary far from rounding",

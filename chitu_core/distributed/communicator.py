@@ -31,6 +31,11 @@ class FastAllReduce(Protocol):
     # layer boundary in one pass: the sum of the contiguous ``x`` [T, H] over the ranks, plus ``residual``,
     # then RMSNorm, with the roundings of ``ops.fused_add_rms_norm`` applied to the summed ``x``; returns
     # None for a shape it does not take. Every rank must compute the same sum (ranks in a fixed order).
+    # Optional (contract 1.13): ``linear_add(x, weight, bias, residual) -> out | None``, a row-parallel linear
+    # with its all-reduce and the residual add in one pass: residual + the sum over the ranks of
+    # ``x @ weight.T`` (each rank's product rounded to the dtype, the sum rounded once more; ``bias``, where
+    # given, added once after the sum); ``weight`` in the backend's own linear layout; None for a shape it
+    # does not take.
 
 
 class Communicator:
@@ -88,6 +93,25 @@ class Communicator:
             if out is not None:
                 return out
         return ops.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
+
+    def fuses_linear_all_reduce(self) -> bool:
+        """Whether the backend's small-message all-reduce offers the row-parallel linear in one pass
+        (``linear_add``, contract 1.13): the models' decode-step fusions then take tensor parallelism too."""
+        return self.world_size > 1 and callable(getattr(self.fast, "linear_add", None))
+
+    def linear_all_reduce_add(self, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor,
+                              ops) -> Tensor:
+        """Contract 1.13, a row-parallel linear ending the residual stream's sublayer: residual + the sum
+        over ranks of ``x @ weight.T`` (+ ``bias``, once). In one pass where the backend's small-message
+        all-reduce offers ``linear_add`` and takes the shape; otherwise ``ops.linear``, the all-reduce
+        and the add. ``x``, ``weight``, ``bias`` and ``residual`` are left unchanged."""
+        fused = getattr(self.fast, "linear_add", None)
+        if fused is not None and self._fits(residual) and residual.is_contiguous():
+            out = fused(x, weight, bias, residual)
+            if out is not None:
+                return out
+        partial = ops.linear(x, weight, bias if self.rank == 0 else None)
+        return self.all_reduce(partial) + residual
 
     def _fits(self, x: Tensor) -> bool:
         fast = self.fast

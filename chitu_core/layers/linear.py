@@ -99,8 +99,13 @@ class LinearBase(nn.Module):
 
     def fuses(self) -> bool:
         """Whether the fusions may take this layer: a dense weight in the model dtype, multiplied by
-        ``ops.linear`` (not quantized, not in a backend's own layout), whole on this rank."""
-        return type(self.quant) is UnquantizedMethod and self.packed is None and self.tp_size == 1
+        ``ops.linear`` (not quantized, not in a backend's own layout), and ``splits_fuse()``."""
+        return type(self.quant) is UnquantizedMethod and self.packed is None and self.splits_fuse()
+
+    def splits_fuse(self) -> bool:
+        """Whether this rank's part takes the fusions: here the input is whole on every rank (a replicated
+        or column-split weight), so the norm of its prologue sees whole rows."""
+        return True
 
     def fused(self, x: torch.Tensor, norm: nn.Module | None, activation: str | None,
               residual: torch.Tensor | None) -> torch.Tensor:
@@ -215,9 +220,16 @@ class RowParallelLinear(LinearBase):
         check_shape(loaded.shape, tuple(param.shape), "row-split linear bias")
         param.data.copy_(loaded)
 
+    def splits_fuse(self) -> bool:
+        """Whole on this rank, or the ranks' sum in one pass with the add (``Communicator.fuses_linear_all_reduce``)."""
+        return self.tp_size == 1 or self.comm.fuses_linear_all_reduce()
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """With ``residual``: residual + the product, fused (``LinearBase.forward``; one rank only)."""
+        """With ``residual``: residual + the product summed over ranks, fused (``LinearBase.forward`` on one
+        rank; ``Communicator.linear_all_reduce_add`` on several)."""
         if residual is not None:
+            if self.tp_size > 1 and self.fuses():
+                return self.comm.linear_all_reduce_add(x, self.weight, self.bias, residual, self.ops)
             return self.fused(x, None, None, residual)
         # The bias is added once: after the sum over ranks, or before it on rank 0 alone.
         out = self.product(x, None)

@@ -167,7 +167,9 @@ class DecoderLayer(nn.Module):
     Under tensor parallelism the sublayers' outputs are summed over ranks at the norm that follows
     them (``RMSNorm(..., comm)``: one all-reduce + add + norm), where the sublayer can defer its sum
     (``defer_reduce``): then the MLP's output leaves the layer unsummed (``mlp_partial``) and the next
-    layer's input norm, or the model's final norm, sums it (``input_partial``, set by DecoderModel)."""
+    layer's input norm, or the model's final norm, sums it (``input_partial``, set by DecoderModel).
+    A step that takes the decode-step fusions sums in the row-parallel products instead, with the adds
+    (``Communicator.linear_all_reduce_add``), and keeps the stream whole."""
 
     fuse_boundaries: ClassVar[bool] = True  # False where a norm takes a sublayer's whole output (GLM-4)
     norm_offset: ClassVar[bool] = False  # True: Gemma's norms (RMSNorm ``offset``)
@@ -182,8 +184,9 @@ class DecoderLayer(nn.Module):
         self.attn_partial = fuse and defer_reduce(self_attn)
         self.mlp_partial = fuse and defer_reduce(mlp)
         self.input_partial = False
-        self.fusions = (ctx.tp_size == 1 and not self.norm_offset and serves_fusions(ctx.ops)
-                        and callable(getattr(self_attn, "forward_fused", None)))
+        # Under tensor parallelism (contract 1.13) only where the ranks' sums come with the adds in one pass.
+        self.fusions = ((ctx.tp_size == 1 or ctx.comm.fuses_linear_all_reduce()) and not self.norm_offset
+                        and serves_fusions(ctx.ops) and callable(getattr(self_attn, "forward_fused", None)))
         self.fusion_max_tokens = ctx.fusion_max_tokens
 
     def takes_fusions(self, tokens: int) -> bool:
@@ -197,6 +200,8 @@ class DecoderLayer(nn.Module):
         """(hidden, residual) -> the same pair for the next layer; a residual of None means hidden is the
         whole residual stream (the embeddings; a layer's output where it fused its adds)."""
         if self.takes_fusions(hidden.shape[0]):
+            if residual is not None and self.input_partial:  # the layer before left its MLP's sum to this one
+                hidden = self.comm.all_reduce(hidden)
             stream = hidden if residual is None else hidden + residual
             stream = self.self_attn.forward_fused(positions, stream, self.input_layernorm, step)
             if callable(getattr(self.mlp, "forward_fused", None)) and self.mlp.fuses():

@@ -16,8 +16,9 @@ from chitu_nvidia.ops import nvidia_ops
 
 class NvidiaBackend(TritonBackend):
     name = "nvidia"
-    contract_version = "1.12"  # 1.9: the decode-step fusions (ops.rms_norm_linear, ops.linear_add); 1.10: ops.mla_inputs;
-    # 1.11: ops.linear_float32; 1.12: AttentionBackend.fuses_qk_norm
+    # 1.9: the decode-step fusions (ops.rms_norm_linear, ops.linear_add); 1.10: ops.mla_inputs;
+    # 1.11: ops.linear_float32; 1.12: AttentionBackend.fuses_qk_norm; 1.13: linear_add of the fast all-reduce
+    contract_version = "1.13"
     priority = 100
 
     def stack_problem(self) -> str:

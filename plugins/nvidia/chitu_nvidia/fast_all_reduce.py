@@ -9,7 +9,9 @@ paths beat NCCL at every size up to 8 MB, the largest measured, so ``max_bytes``
 messages above ``max_bytes`` go through NCCL; ``CHITU_FAST_ALL_REDUCE_MAX_BYTES`` sets it. The layer
 boundary (all-reduce + residual add + RMSNorm, contract 1.5) is one Triton kernel of its own over
 symmetric memory (``boundary_kernel.py``); ``CHITU_FUSED_BOUNDARY=0`` composes it from the all-reduce
-and the norm instead.
+and the norm instead. So is the row-parallel linear at batch 1 with its all-reduce and residual add
+(contract 1.13, ``gemv_all_reduce.py``); ``CHITU_FUSED_LINEAR_ALL_REDUCE=0`` leaves it out, and the
+models' decode steps then keep the layer boundary.
 """
 
 import logging
@@ -45,6 +47,10 @@ class SymmetricMemoryAllReduce:
             from chitu_nvidia.boundary_kernel import LayerBoundary
 
             self.boundary = LayerBoundary(self.group_name, device, DTYPES, min(max_bytes, ONE_SHOT_BYTES))
+        if os.environ.get("CHITU_FUSED_LINEAR_ALL_REDUCE", "1") != "0":
+            from chitu_nvidia.gemv_all_reduce import GemvAllReduce
+
+            self.linear_add = GemvAllReduce(self.group_name, device, DTYPES)  # contract 1.13's optional method
 
     def add_rms_norm(self, x, residual, weight, eps):
         """The layer boundary in one kernel, or None (the Communicator composes it)."""

@@ -7,7 +7,11 @@ Each size is first checked (the sum of known values, exact in bf16), then timed 
 5 replays of a graph of 50 calls. Then the layer boundary (contract 1.5: all-reduce + residual add +
 RMSNorm) at a decode step's shapes, composed (the fast all-reduce, then fused_add_rms_norm) and in one
 kernel (the backend's ``add_rms_norm``): the two must agree bit for bit (two ranks: the sum of two bf16
-values is rounded once either way), and are timed alike. Rank 0 prints the tables and writes the JSON.
+values is rounded once either way), and are timed alike. Then the row-parallel linear at batch 1 with its
+all-reduce and residual add (contract 1.13) at Llama-3.1-8B's o_proj and down_proj shares under two ranks,
+composed (``linear``, the fast all-reduce, the add) and in one kernel (the backend's ``linear_add``): both
+against float64 (NMSE), against each other (largest difference), and timed alike (the weight stays in L2
+across the graph's calls for the smaller shape, alike for both). Rank 0 prints the tables and writes the JSON.
 """
 
 import argparse
@@ -72,6 +76,34 @@ def boundary_rows(comm: Communicator, backend, rank: int, world: int) -> list[di
     return out
 
 
+LINEAR_SHAPES = ((4096, 2048, "o_proj"), (4096, 7168, "down_proj"))  # (outputs, one rank's inputs, name)
+
+
+def linear_rows(comm: Communicator, backend, rank: int, world: int) -> list[dict]:
+    """The row-parallel linear composed and in one kernel, checked and timed."""
+    from chitu_core.plugins.discovery import backend_ops
+
+    ops, out = backend_ops(backend), []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for n, k, name in LINEAR_SHAPES:
+        xs = [torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(world)]
+        ws = [(torch.randn(k, n, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16) for _ in range(world)]
+        residual = torch.randn(1, n, device="cuda", generator=gen).to(torch.bfloat16)
+        x, w = xs[rank], ws[rank].t()  # [N, K] over [K, N] storage: the backend's layout (transposed_linear_weights)
+        want = residual.double() + sum(a.double() @ b.double() for a, b in zip(xs, ws))
+        composed = residual + comm.all_reduce(ops.linear(x, w, None))
+        fast = getattr(comm.fast, "linear_add", None)
+        fused = fast(x, w, None, residual) if fast else None
+        nmse = lambda got: float(((got.double() - want) ** 2).sum() / (want ** 2).sum())  # noqa: E731
+        row = {"name": name, "n": n, "k": k, "fused": fused is not None, "composed_nmse": nmse(composed),
+               "fused_nmse": nmse(fused) if fused is not None else None,
+               "max_diff": float((fused.float() - composed.float()).abs().max()) if fused is not None else None}
+        row["composed_us"] = round(timed(comm, x, lambda: residual + comm.all_reduce(ops.linear(x, w, None))), 2)
+        row["fused_us"] = round(timed(comm, x, lambda: fast(x, w, None, residual)), 2) if fused is not None else None
+        out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
@@ -94,6 +126,7 @@ def main() -> None:
             row[f"{name}_us"] = round(timed(comm, values.clone()), 2)
         rows.append(row)
     boundary = boundary_rows(fast, backend, rank, world)
+    linear = linear_rows(fast, backend, rank, world)
     if rank == 0:
         print(f"all-reduce, {world} ranks, bf16, {torch.cuda.get_device_name()}: microseconds per call (graph replay)")
         print("| bytes | NCCL us | fast path us | fast path taken | both correct |")
@@ -105,10 +138,16 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for r in boundary:
             print(f"| {r['rows']} | {r['composed_us']} | {r['fused_us']} | {r['fused']} | {r['equal']} |")
+        print("\nrow-parallel linear + all-reduce + add, bf16, one row: microseconds per call (graph replay)")
+        print("| shape | composed us | one kernel us | one kernel taken | NMSE composed / one kernel | largest diff |")
+        print("|---|---|---|---|---|---|")
+        for r in linear:
+            print(f"| {r['name']} {r['n']}x{r['k']} | {r['composed_us']} | {r['fused_us']} | {r['fused']} | "
+                  f"{r['composed_nmse']:.2e} / {r['fused_nmse'] or 0:.2e} | {r['max_diff']} |")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "world_size": world, "rows": rows,
-                           "boundary": boundary}, f)
+                           "boundary": boundary, "linear": linear}, f)
     dist.barrier()
     dist.destroy_process_group()
 

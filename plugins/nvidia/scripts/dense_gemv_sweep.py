@@ -44,6 +44,9 @@ SHAPES = {  # name: (N, K, dtype, stored transposed)
     "smollm lm_head": (49152, 576, BF16, True),
     "qwen3-1.7b qkv": (4096, 2048, BF16, True), "qwen3-1.7b o_proj": (2048, 2048, BF16, True),
     "qwen3-1.7b down": (2048, 6144, BF16, True),
+    # one rank's share of Llama-3.1-8B's under two-way tensor parallelism
+    "llama8b tp2 qkv": (3072, 4096, BF16, True), "llama8b tp2 o_proj": (4096, 2048, BF16, True),
+    "llama8b tp2 gate_up": (14336, 4096, BF16, True), "llama8b tp2 down": (4096, 7168, BF16, True),
 }
 
 
@@ -64,7 +67,8 @@ def configs(n, k, transposed, units):
     for bn, bk, warps in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8)):
         if bn * bk <= 32768:
             out.append(DenseGemvConfig(bn, bk, 1, warps))
-    for (bn, bk), per_unit in itertools.product(((64, 128), (128, 64), (64, 256)), (2, 4)):
+    for (bn, bk), per_unit in itertools.product(((64, 128), (128, 64), (64, 256), (32, 256), (32, 512), (64, 512)),
+                                                (2, 4)):
         split = max(1, min(triton.cdiv(k, bk) // 2, triton.cdiv(per_unit * units, triton.cdiv(n, bn))))
         out.append(DenseGemvConfig(bn, bk, split, 4))
     return sorted(set(out), key=str)

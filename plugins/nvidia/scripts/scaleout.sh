@@ -3,7 +3,9 @@
 #   bash plugins/nvidia/scripts/scaleout.sh [steps]    # default: every step, in this order
 # Steps: allreduce (8 KB .. 2 MB latency, NCCL and the fast path), collectives (conformance rows on 2 ranks),
 # tokens (TP2 and PP2 greedy tokens against one GPU, fp32, small config), tp (Llama-3.1-8B config bf16, dummy
-# weights, in 128 / out 256, batch 1 and 64 on one GPU and on two), tp-composed (the TP2 runs with CHITU_FUSED_BOUNDARY=0), pp (the same,
+# weights, in 128 / out 256, batches TP_BATCHES, default 1 and 64, on one GPU and on two), tp-composed (the TP2 runs with
+# CHITU_FUSED_BOUNDARY=0), tp-boundary (TP2 at batch 1 with CHITU_FUSED_LINEAR_ALL_REDUCE=0: the layer boundary
+# instead of the row-parallel products with their sums, contract 1.13), pp (the same,
 # two stages, batch 64; and batch 128 on two stages and on one GPU),
 # ep (DeepSeek-V2-Lite config, batch 64, one GPU and EP2 with TP2 attention), serve (bench serve, 64 streams,
 # against a TP2 server started with torchrun, then the offline TP2 run of the same batch), profile (decode step
@@ -50,8 +52,8 @@ for step in ${@:-allreduce collectives tokens tp pp ep serve cpuexperts}; do
                # A fast path that failed its check (or hung) is left off for the runs after it.
                grep -q "| 8192 | .* | True | True |" $R/allreduce.json || { export CHITU_FAST_ALL_REDUCE=0; echo "fast all-reduce off"; } ;;
     collectives) limit 240 collectives python3 -m chitu_core.conformance --backend nvidia \
-                   --ops 'all_reduce,all_gather,reduce_scatter,broadcast,send_recv,all_reduce_add_rms_norm' --format md --quiet
-                 grep -E "cases:|^\| \`" $R/collectives.json | cut -c1-120 | head -8 ;;
+                   --ops 'all_reduce,all_gather,reduce_scatter,broadcast,send_recv,all_reduce_add_rms_norm,linear_all_reduce_add' --format md --quiet
+                 grep -E "cases:|^\| \`" $R/collectives.json | cut -c1-120 | head -9 ;;
     tokens) for m in tiny tiny-mixtral; do
               [ -d /tmp/$m ] || python3 -m chitu_core.bench random-model --like $m --out /tmp/$m --dtype float32 > /dev/null
             done
@@ -74,10 +76,13 @@ print("fp32 greedy tokens equal:", checks)
 PY
             ;;
     tp) model llama-3.1-8b
-        for b in 1 64; do
+        for b in ${TP_BATCHES:-1 64}; do
           limit 240 tp1-b$b python3 $BENCH --model /tmp/llama-3.1-8b --batch-size $b
           limit 240 tp2-b$b $TR $BENCH --model /tmp/llama-3.1-8b --batch-size $b --tensor-parallel-size 2
         done ;;
+    tp-boundary) model llama-3.1-8b
+        CHITU_FUSED_LINEAR_ALL_REDUCE=0 limit 240 tp2-boundary-b1 $TR $BENCH --model /tmp/llama-3.1-8b --batch-size 1 \
+          --tensor-parallel-size 2 ;;
     tp-composed) model llama-3.1-8b  # the TP2 runs with the layer boundary composed, not in one kernel
         for b in 1 64; do
           CHITU_FUSED_BOUNDARY=0 limit 240 tp2-composed-b$b $TR $BENCH --model /tmp/llama-3.1-8b --batch-size $b --tensor-parallel-size 2
