@@ -47,24 +47,26 @@ class ComposedLinearAdd:
         return residual + (out if bias is None else out + bias)
 
 
-def run(path) -> tuple[list, list]:
-    llm = LLM(str(path), device="cpu", dtype="float32", load_progress=False, num_threads=1, max_num_batched_tokens=32)
+def run(path, pp: int = 1) -> tuple:
+    llm = LLM(str(path), device="cpu", dtype="float32", load_progress=False, num_threads=1, max_num_batched_tokens=32,
+              pipeline_parallel_size=pp)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[sorted(lp.items()) for lp in o.outputs[0].logprobs] for o in outs]
-    layers = llm.engine.model.model.layers
+    model = llm.engine.model.model
+    layers = [model.layers[i] for i in model.local]
     per_step = sum(1 + bool(getattr(layer.mlp, "fuses", bool)()) for layer in layers)  # o_proj; down where fused
     return (tokens, logprobs, all(layer.fusions for layer in layers), getattr(llm.engine.comm.fast, "calls", 0),
             per_step)
 
 
-def _rank(rank: int, port: int, root: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+def _rank(rank: int, world: int, pp: int, port: int, root: str, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     CpuBackend.fast_all_reduce = lambda self, comm: ComposedLinearAdd(comm)
     CpuBackend.fusion_max_tokens = lambda self: FUSED_TOKENS
     try:
-        queue.put((rank, {name: run(os.path.join(root, name)) for name in MODELS}))
+        queue.put((rank, {name: run(os.path.join(root, name), pp) for name in (MODELS if pp == 1 else ("llama",))}))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -78,16 +80,26 @@ def models(tmp_path_factory):
     return root
 
 
-def test_tp2_fused_decode_matches_one_process(models, monkeypatch):
-    monkeypatch.setattr(CpuBackend, "fusion_max_tokens", lambda self: FUSED_TOKENS)
-    one = {name: run(models / name) for name in MODELS}
+@pytest.fixture(scope="module")
+def one(models):
+    CpuBackend.fusion_max_tokens, saved = (lambda self: FUSED_TOKENS), CpuBackend.fusion_max_tokens
+    try:
+        return {name: run(models / name) for name in MODELS}
+    finally:
+        CpuBackend.fusion_max_tokens = saved
+
+
+@pytest.mark.parametrize("world,pp", [(2, 1), (4, 2)], ids=["tp2", "tp2xpp2"])
+def test_fused_tensor_parallel_decode_matches_one_process(models, one, world, pp):
+    """Two tensor-parallel ranks; and two pipeline stages of two (the first stage hands the second a whole
+    stream: its last layer summed it in its products)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank, args=(port, str(models), queue), nprocs=2, join=True)
-    ranks = dict(queue.get() for _ in range(2))
-    for name in MODELS:
+    mp.spawn(_rank, args=(world, pp, port, str(models), queue), nprocs=world, join=True)
+    ranks = dict(queue.get() for _ in range(world))
+    for name in ranks[0]:
         tokens, logprobs, fused, _, _ = one[name]
         assert fused, name  # one process: the CPU backend serves the fusions
         for rank, got in ranks.items():

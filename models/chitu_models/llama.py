@@ -258,7 +258,7 @@ class DecoderModel(nn.Module):
             hidden, residual = self.layers[i](positions, hidden, residual, step)
         comm = self.comm if self.out_partial else None
         if not self.last:
-            if comm is not None:
+            if comm is not None and residual is not None:  # a fused step's last layer left the stream whole
                 hidden = comm.all_reduce(hidden)
             return torch.stack([hidden, torch.zeros_like(hidden) if residual is None else residual])
         return self.norm(hidden) if residual is None else self.norm(hidden, residual, comm)[0]
