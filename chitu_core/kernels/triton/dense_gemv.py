@@ -68,14 +68,12 @@ def _tile(w, rk, rn, k_hi, n_ok, stride_wn, stride_wk, K_MAJOR: tl.constexpr):
     return tile
 
 
-@triton.jit(do_not_specialize=["k_per_split", "split"])
-def _dense_gemv_kernel(out, partials, counters, x, w, bias, N, K, k_per_split, split, stride_xk, stride_wn, stride_wk,
-                       stride_b, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr,
-                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    rn, n_ok, k_lo, k_hi = row_slice(N, K, k_per_split, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    nxt = _tile(w, k_lo + kk, rn, k_hi, n_ok, stride_wn, stride_wk, K_MAJOR)  # weights: no wait
-    gdc_enter(PDL)
+@triton.jit
+def row_sums(nxt, w, x, kk, rn, n_ok, k_lo, k_hi, stride_xk, stride_wn, stride_wk, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr):
+    """One row of x times the weight's columns rn over features [k_lo, k_hi): [BLOCK_N] float32 sums. ``nxt``
+    is the first weight tile, already loaded (before a dependent launch's wait); each step issues the next
+    tile's load before it multiplies, into a tile of partial sums reduced once after the loop."""
     if K_MAJOR:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
@@ -88,7 +86,18 @@ def _dense_gemv_kernel(out, partials, counters, x, w, bias, N, K, k_per_split, s
             acc2 += tile.to(tl.float32) * xk[None, :]
         else:
             acc2 += tile.to(tl.float32) * xk[:, None]
-    acc = tl.sum(acc2, axis=1 if K_MAJOR else 0)
+    return tl.sum(acc2, axis=1 if K_MAJOR else 0)
+
+
+@triton.jit(do_not_specialize=["k_per_split", "split"])
+def _dense_gemv_kernel(out, partials, counters, x, w, bias, N, K, k_per_split, split, stride_xk, stride_wn, stride_wk,
+                       stride_b, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr,
+                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    rn, n_ok, k_lo, k_hi = row_slice(N, K, k_per_split, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    nxt = _tile(w, k_lo + kk, rn, k_hi, n_ok, stride_wn, stride_wk, K_MAJOR)  # weights: no wait
+    gdc_enter(PDL)
+    acc = row_sums(nxt, w, x, kk, rn, n_ok, k_lo, k_hi, stride_xk, stride_wn, stride_wk, BLOCK_N, BLOCK_K, K_MAJOR)
     finish_split(acc[None, :], out, partials, counters, bias, tl.arange(0, 1), rn, n_ok[None, :], 1, N, N, stride_b,
                  tl.program_id(0), tl.program_id(1), split, SPLIT_K, HAS_BIAS)
 

@@ -90,9 +90,31 @@ def _boundary_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_ptrs, flag
         residual = tl.load(res_ptr + row * h + cols, mask=inside, other=0.0).to(tl.float32)
         s = total.to(dtype).to(tl.float32) + residual  # the all-reduce's rounding; the add's sum in float32
         tl.store(res_out_ptr + row * h + cols, s.to(dtype), mask=inside)
-        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)  # as fused_add_rms_norm: the float32 sum normalised,
+        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)  # as fused_add_rms_norm: the float32 sum normed,
         tl.store(out_ptr + row * h + cols, (s * rstd * w).to(dtype), mask=inside)  # times the weight, rounded once
     tl.store(epoch_ptr + pid, epoch)
+
+
+class Meeting:
+    """The flags ``_meet`` waits on, for kernels of up to ``programs`` programs over one group's ranks: a flag
+    array every rank maps (made and zeroed collectively), the peers' addresses, and this rank's epochs."""
+
+    def __init__(self, group_name: str, device: torch.device, programs: int, what: str):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.flags = symm_mem.empty(programs * MAX_WORLD, dtype=torch.int32, device=device)
+        self.flags.zero_()
+        self.handle = symm_mem.rendezvous(self.flags, group_name)
+        self.rank, self.world = self.handle.rank, self.handle.world_size
+        if self.world > MAX_WORLD:
+            raise ValueError(f"{what} takes up to {MAX_WORLD} ranks, not {self.world}")
+        self.flag_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(programs, dtype=torch.int32, device=device)
+
+    def ready(self, device: torch.device) -> None:
+        """Wait until every rank's flags are zero, before any kernel raises one (a collective)."""
+        torch.cuda.synchronize(device)
+        self.handle.barrier()
 
 
 class LayerBoundary:
@@ -103,21 +125,14 @@ class LayerBoundary:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.max_bytes, self.buffers = max_bytes, {}
-        flags = symm_mem.empty(PROGRAMS * MAX_WORLD, dtype=torch.int32, device=device)
-        flags.zero_()
-        handle = symm_mem.rendezvous(flags, group_name)
-        self.rank, self.world = handle.rank, handle.world_size
-        if self.world > MAX_WORLD:
-            raise ValueError(f"the one-pass layer boundary takes up to {MAX_WORLD} ranks, not {self.world}")
-        self.flags, self.flag_ptrs = flags, torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.epochs = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
+        self.meeting = Meeting(group_name, device, PROGRAMS, "the one-pass layer boundary")
+        self.rank, self.world = self.meeting.rank, self.meeting.world
         for dtype in dtypes:
             slot = max_bytes // dtype.itemsize
             buf = symm_mem.empty(2 * self.world * slot, dtype=dtype, device=device)
             ptrs = symm_mem.rendezvous(buf, group_name).buffer_ptrs
             self.buffers[dtype] = (buf, slot, torch.tensor(ptrs, dtype=torch.int64, device=device))
-        torch.cuda.synchronize(device)
-        handle.barrier()  # every rank's flags are zero before any kernel raises one
+        self.meeting.ready(device)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         h = x.shape[-1]
@@ -129,6 +144,6 @@ class LayerBoundary:
         _, slot, buf_ptrs = self.buffers[x.dtype]
         block = triton.next_power_of_2(h)
         _boundary_kernel[(PROGRAMS,)](
-            x, residual, weight, out, new_residual, buf_ptrs, self.flag_ptrs, self.epochs, self.rank, rows, h, slot,
-            eps, WORLD=self.world, BLOCK_H=block, PROGRAMS=PROGRAMS, num_warps=8 if block >= 4096 else 4)
+            x, residual, weight, out, new_residual, buf_ptrs, self.meeting.flag_ptrs, self.meeting.epochs, self.rank,
+            rows, h, slot, eps, WORLD=self.world, BLOCK_H=block, PROGRAMS=PROGRAMS, num_warps=8 if block >= 4096 else 4)
         return out, new_residual

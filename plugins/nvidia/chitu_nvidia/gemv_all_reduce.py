@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import num_compute_units
-from chitu_core.kernels.triton.dense_gemv import _tile
-from chitu_core.kernels.triton.fused_gemv import _finish, fused_gemv_config
+from chitu_core.kernels.triton.dense_gemv import _tile, row_sums
+from chitu_core.kernels.triton.fused_gemv import fused_gemv_config
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_launch
-from chitu_nvidia.boundary_kernel import MAX_WORLD, _meet
+from chitu_nvidia.boundary_kernel import Meeting, _meet
 
 MAX_PROGRAMS = 256
 MAX_BLOCK_N = 64  # a program's region in the buffers
@@ -45,19 +45,7 @@ def _gemv_all_reduce_kernel(out, x, w, bias, res, buf_ptrs, flag_ptrs, epoch_ptr
     gdc_enter(PDL)
     dtype = out.dtype.element_ty
     epoch = tl.load(epoch_ptr + pid) + 1
-    if K_MAJOR:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        tile = nxt
-        nxt = _tile(w, k0 + BLOCK_K + kk, rn, K, n_ok, stride_wn, stride_wk, K_MAJOR)
-        xk = tl.load(x + (k0 + kk) * stride_xk, mask=k0 + kk < K, other=0.0).to(tl.float32)
-        if K_MAJOR:
-            acc += tile.to(tl.float32) * xk[None, :]
-        else:
-            acc += tile.to(tl.float32) * xk[:, None]
-    part = tl.reshape(_finish(acc, K_MAJOR), (BLOCK_N,)).to(dtype)
+    part = row_sums(nxt, w, x, kk, rn, n_ok, 0, K, stride_xk, stride_wn, stride_wk, BLOCK_N, BLOCK_K, K_MAJOR).to(dtype)
     region = (epoch & 1).to(tl.int64) * WORLD * slot + pid * REGION + cols  # this call's half, this program's
     for r in tl.static_range(WORLD):
         peer = tl.load(buf_ptrs + r).to(tl.pointer_type(dtype))
@@ -84,21 +72,14 @@ class GemvAllReduce:
 
         self.units = num_compute_units(device)
         self.programs = min(MAX_PROGRAMS, self.units)
-        flags = symm_mem.empty(MAX_PROGRAMS * MAX_WORLD, dtype=torch.int32, device=device)
-        flags.zero_()
-        handle = symm_mem.rendezvous(flags, group_name)
-        self.rank, self.world = handle.rank, handle.world_size
-        if self.world > MAX_WORLD:
-            raise ValueError(f"the one-pass row-parallel linear takes up to {MAX_WORLD} ranks, not {self.world}")
-        self.flags, self.flag_ptrs = flags, torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
+        self.meeting = Meeting(group_name, device, MAX_PROGRAMS, "the one-pass row-parallel linear")
+        self.rank, self.world = self.meeting.rank, self.meeting.world
         self.slot, self.buffers = MAX_PROGRAMS * MAX_BLOCK_N, {}
         for dtype in dtypes:
             buf = symm_mem.empty(2 * self.world * self.slot, dtype=dtype, device=device)
             ptrs = symm_mem.rendezvous(buf, group_name).buffer_ptrs
             self.buffers[dtype] = (buf, torch.tensor(ptrs, dtype=torch.int64, device=device))
-        torch.cuda.synchronize(device)
-        handle.barrier()  # every rank's flags are zero before any kernel raises one
+        self.meeting.ready(device)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  residual: torch.Tensor) -> torch.Tensor | None:
@@ -119,7 +100,8 @@ class GemvAllReduce:
         b = bias if bias is not None else out
         use_pdl = pdl_launch(x.device)
         _gemv_all_reduce_kernel[(grid,)](
-            out, row, weight, b, residual, buf_ptrs, self.flag_ptrs, self.epochs, self.rank, n, k, self.slot,
+            out, row, weight, b, residual, buf_ptrs, self.meeting.flag_ptrs, self.meeting.epochs, self.rank, n, k,
+            self.slot,
             row.stride(0), weight.stride(0), weight.stride(1), b.stride(0) if bias is not None else 0,
             WORLD=self.world, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REGION=MAX_BLOCK_N, K_MAJOR=k_major,
             HAS_BIAS=bias is not None, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=1,
