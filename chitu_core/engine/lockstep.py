@@ -18,10 +18,12 @@ takes the driver for gone. A ``Watchdog`` on every rank ends the process when an
 
 import logging
 import os
+import pickle
 import signal
 import socket
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from chitu_core.config import EngineConfig
@@ -33,6 +35,11 @@ from chitu_core.errors import ChituError
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
+IN_FLIGHT = 64  # the driver's messages queued on the control group before it waits for the oldest
+
+
+def _done(works: list) -> bool:
+    return all(work.is_completed() for work in works)
 
 
 class Lockstep:
@@ -54,6 +61,7 @@ class Lockstep:
                         "KV cache, the same kv_cache_memory)")
         self.watchdog = Watchdog(watch_group, self.rank, [e["peer"] for e in everyone], on_dead).start()
         self._pending: list[tuple] = []
+        self._in_flight: list[tuple[list, list]] = []  # the driver's queued sends: (works, tensors)
 
     # --- the driver's side ------------------------------------------------------------------------
 
@@ -62,22 +70,45 @@ class Lockstep:
         self._pending.append(command)
 
     def flush(self, step: bool) -> None:
-        """Send what was applied since the last flush; ``step``: the driver steps next."""
+        """Send what was applied since the last flush; ``step``: the driver steps next.
+
+        The driver does not wait for the followers to take it: a step's message is a fixed header
+        (the commands' pickled size, the step flag) and, only when there are commands, their bytes,
+        both queued on the control group, whose operations keep their order. The driver thus spends
+        tens of microseconds a step here, not a round trip (``broadcast_object_list`` took 470 us a
+        step on a 2-core CPU, on the driver's path of every decode step)."""
         commands, self._pending = self._pending, []
-        dist.broadcast_object_list([(commands, step)], src=0, group=self.control)
+        payload = pickle.dumps(commands) if commands else b""
+        sent = [torch.tensor([len(payload), int(step)], dtype=torch.int64)]
+        if payload:
+            sent.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        works = [dist.broadcast(t, src=0, group=self.control, async_op=True) for t in sent]
+        self._in_flight.append((works, sent))  # the tensors live until their sends are done
+        while len(self._in_flight) > IN_FLIGHT or (self._in_flight and _done(self._in_flight[0][0])):
+            for work in self._in_flight.pop(0)[0]:
+                work.wait()  # raises if the control group failed
 
     def stop(self) -> None:
         """Tell the followers to leave, and leave with them."""
         self.record(("stop",))
         self.flush(step=False)
+        while self._in_flight:
+            for work in self._in_flight.pop(0)[0]:
+                work.wait()
         self.leave()
 
     # --- a follower's side ------------------------------------------------------------------------
 
     def receive(self) -> tuple[list[tuple], bool]:
-        box: list = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        """The driver's next message (blocks until it comes)."""
+        header = torch.empty(2, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.control)
+        size, step = header.tolist()
+        if not size:
+            return [], bool(step)
+        payload = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.control)
+        return pickle.loads(payload.numpy().tobytes()), bool(step)
 
     def leave(self) -> None:
         """The run ends cleanly: stop watching, then meet once more so that no rank exits (which its
