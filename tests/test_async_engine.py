@@ -77,6 +77,41 @@ def test_leaving_a_stream_aborts_its_request(model_path):
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
 
 
+def test_only_requests_still_in_the_engine_are_aborted_there(model_path):
+    """A server aborts every request it ends: finished and refused ones send the engine nothing (under
+    torchrun every command reaches every rank), a live one and one cancelled while admitted do."""
+    async def main():
+        llm = AsyncLLM(config(model_path))
+        sent = []
+        send = llm._send_command
+        llm._send_command = lambda command: (sent.append(command[:2]), send(command))
+        try:
+            await collect(llm, [4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True), request_id="done")
+            llm.abort("done")
+            with pytest.raises(ValueError):
+                await collect(llm, [1] * 500, SamplingParams(max_tokens=100), request_id="refused")
+            llm.abort("refused")
+            llm.abort("nobody")
+            admitting = asyncio.create_task(llm.add_request([7, 8], SamplingParams(max_tokens=200, ignore_eos=True),
+                                                            request_id="cancelled"))
+            await asyncio.sleep(0)  # its add is sent; acceptance not yet in
+            admitting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await admitting
+            live = await llm.add_request([9, 10], SamplingParams(max_tokens=200, ignore_eos=True), request_id="live")
+            await anext(live)
+            llm.abort("live")
+            await llm.wait_idle()
+        finally:
+            await llm.shutdown()
+        return llm, [c for c in sent if c[0] == "abort"]
+
+    llm, aborts = asyncio.run(main())
+    assert aborts == [("abort", "cancelled"), ("abort", "live")]
+    eng = llm.engine
+    assert not eng.requests and eng.block_manager.num_free == eng.block_manager.num_blocks
+
+
 def test_a_refused_request_raises_before_any_output(model_path):
     async def main():
         llm = AsyncLLM(config(model_path))

@@ -195,7 +195,7 @@ class AsyncLLM:
         try:
             await accepted
         except BaseException:
-            self._streams.pop(request_id, None)
+            self.abort(request_id)  # the engine may have taken it (the caller was cancelled): free it there
             raise
         return self._outputs(request_id, stream)
 
@@ -226,9 +226,12 @@ class AsyncLLM:
             yield out
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it already finished). Its blocks are freed before the next step."""
-        self._streams.pop(request_id, None)
-        self._send_command(("abort", request_id))
+        """Abort a request (no-op if it already finished). Its blocks are freed before the next step.
+        Only a request whose stream is still open reaches the engine: a finished one (its last delta
+        closed the stream), a refused one and any after a failure cost nothing, so a server may abort
+        every request it ends (under torchrun each abort is a command every rank applies)."""
+        if self._streams.pop(request_id, None) is not None:
+            self._send_command(("abort", request_id))
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters, as of the last step."""
@@ -276,6 +279,8 @@ class AsyncLLM:
             for loop, items in by_loop.items():  # one wake-up of each loop per step, not one per request
                 loop.call_soon_threadsafe(_put_all, items)
         elif kind in ("accepted", "rejected"):
+            if kind == "rejected":
+                self._streams.pop(message[1], None)  # never in the engine: nothing to abort
             self._resolve(("add", message[1]), message[2] if kind == "rejected" else None)
         elif kind == "idle":
             for key in message[1]:
