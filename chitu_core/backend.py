@@ -6,6 +6,9 @@ names a device; when it needs to know something about one, this class grows
 a method with a default, and a backend answers it.
 """
 
+import ctypes
+import ctypes.util
+import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -276,3 +279,19 @@ def host_memory_info() -> MemoryInfo:
     except (OSError, KeyError, ValueError):
         free = os.sysconf("SC_AVPHYS_PAGES") * page
     return MemoryInfo(total, free)
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None  # glibc's; others may lack it
+
+
+def return_free_host_memory() -> None:
+    """Give the OS the pages that freed host allocations left inside the C heap (glibc's
+    ``malloc_trim``; a no-op elsewhere). Loading reads weights through host memory and packing
+    replaces tensors; the heap keeps what they freed unless asked. The engine calls this while
+    it loads, never per step (a trimmed heap faults its pages in again)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -35,6 +35,7 @@ from chitu_core.loader.dummy import fill_dummy_weights
 from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.ops.table import with_checks_if_asked
+from chitu_core.backend import return_free_host_memory
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
 from chitu_core.quantization.kv_scales import load_kv_scales, resolve_kv_cache_dtype
 from chitu_core.quantization.select import apply_layer_choices, select_quantization
@@ -122,10 +123,12 @@ class LLMEngine:
             else:
                 self.model.load_weights(weights)
         self.model.eval()
+        return_free_host_memory()  # what reading the checkpoint freed
         if self.backend.transposed_linear_weights():
             store_linear_weights_transposed(self.model)
         if config.pack_linear:
             pack_linear_layers(self.model, self.backend)
+            return_free_host_memory()  # the tensors packing replaced
 
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
         self.vocab_size = hf_config.vocab_size

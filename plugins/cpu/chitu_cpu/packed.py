@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from chitu_core.backend import PackedLinear
+from chitu_core.backend import PackedLinear, return_free_host_memory
 from chitu_core.quantization.gguf_blocks import AFFINE_BITS, BLOCK, affine_groups, dequantize
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -45,7 +45,11 @@ class Int4PackLinear(PackedLinear):
         self.parts, self.group, self.n, self.k = -(-bits // 4), group, n, k
         self.compute_dtype = torch.bfloat16  # see the module docstring
         chunk = CHUNK_ROWS if n % 64 == 0 else n  # int4pack tiles 64 rows: chunks of whole tiles pack alike
-        packed = [self._pack(*rows(start, min(start + chunk, n))) for start in range(0, n, chunk)]
+        packed = []
+        for start in range(0, n, chunk):
+            packed.append(self._pack(*rows(start, min(start + chunk, n))))
+            if chunk < n:  # a head: give back each chunk's int32 values and float groups (tens of MB)
+                return_free_host_memory()
         self.weight = torch.cat([w for w, _ in packed])
         self.scales_zeros = torch.cat([sz for _, sz in packed], dim=1)
 
