@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from chitu_core.attention.build import build_attention
+from chitu_core.backend import return_free_host_memory
 from chitu_core.config import EngineConfig
 from chitu_core.distributed.parallel import Parallel
 from chitu_core.distributed.pipeline import StageLink, micro_batches
@@ -35,7 +36,6 @@ from chitu_core.loader.dummy import fill_dummy_weights
 from chitu_core.loader.gguf import resolve_model
 from chitu_core.loader.hf import open_model_dir
 from chitu_core.ops.table import with_checks_if_asked
-from chitu_core.backend import return_free_host_memory
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
 from chitu_core.quantization.kv_scales import load_kv_scales, resolve_kv_cache_dtype
 from chitu_core.quantization.select import apply_layer_choices, select_quantization
