@@ -84,17 +84,20 @@ class Lockstep:
             sent.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         works = [dist.broadcast(t, src=0, group=self.control, async_op=True) for t in sent]
         self._in_flight.append((works, sent))  # the tensors live until their sends are done
-        while len(self._in_flight) > IN_FLIGHT or (self._in_flight and _done(self._in_flight[0][0])):
+        self._reap(IN_FLIGHT)
+
+    def _reap(self, keep: int) -> None:
+        """Forget the sends that are done; wait for the oldest until at most ``keep`` are queued.
+        A failed send raises here (the control group broke: a rank is gone)."""
+        while len(self._in_flight) > keep or (self._in_flight and _done(self._in_flight[0][0])):
             for work in self._in_flight.pop(0)[0]:
-                work.wait()  # raises if the control group failed
+                work.wait()
 
     def stop(self) -> None:
         """Tell the followers to leave, and leave with them."""
         self.record(("stop",))
         self.flush(step=False)
-        while self._in_flight:
-            for work in self._in_flight.pop(0)[0]:
-                work.wait()
+        self._reap(0)
         self.leave()
 
     # --- a follower's side ------------------------------------------------------------------------
