@@ -3,7 +3,8 @@
 # same file, threads and prompts, in the same runs; writes docs/benchmarks/cpu-smollm2/ and its page.
 #   bash plugins/cpu/scripts/bench_embedded.sh [THREADS]
 # Needs llama-cpp-python (pip install '.[bench-llamacpp]': it builds llama.cpp, about 14 minutes).
-# Run it on a quiet machine: both sides swing by 10x when other processes hold a core.
+# Run it on a quiet machine: both sides swing by 10x when other processes hold a core. Ours runs in the
+# dtype the server picks by default (--dtype auto: the file's float32 here), the dtype users get.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 THREADS=${1:-2}
@@ -11,9 +12,9 @@ PY=${PY:-.venv/bin/python}
 OUT=docs/benchmarks/cpu-smollm2
 mkdir -p "$OUT"
 for B in 1 16; do
-  $PY -m chitu_core.bench offline --device cpu --dtype bfloat16 --batch-size $B --input-len 128 --output-len 128 \
+  $PY -m chitu_core.bench offline --device cpu --dtype auto --batch-size $B --input-len 128 --output-len 128 \
       --threads "$THREADS" --runs 3 --peer llama.cpp --peer-runs 3 --json > "$OUT/offline-b$B.json"
-  $PY -m chitu_core.bench offline --device cpu --dtype bfloat16 --batch-size $B --input-len 128 --output-len 128 \
+  $PY -m chitu_core.bench offline --device cpu --dtype auto --batch-size $B --input-len 128 --output-len 128 \
       --threads "$THREADS" --runs 3 --compile-forward --peer llama.cpp --peer-runs 3 --json > "$OUT/offline-b$B-compiled.json"
 done
 $PY -m chitu_core.bench agree --threads "$THREADS" > "$OUT/agree.txt"
