@@ -209,9 +209,10 @@ def test_queue_full_is_503(llm):
     with LiveServer(build_app(llm, [MODEL], max_pending=1)) as live:
         async def main():
             async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
-                body = {"model": MODEL, "prompt": "busy", "max_tokens": 300, "ignore_eos": True}
+                body = {"model": MODEL, "prompt": "busy", "max_tokens": 500, "ignore_eos": True}
                 first = asyncio.create_task(http.post("/v1/completions", json=body))
-                await asyncio.sleep(0.3)
+                while llm.stats().num_running == 0:  # the first is in the engine: 500 steps to go
+                    await asyncio.sleep(0.001)
                 second = await http.post("/v1/completions", json={**body, "max_tokens": 2})
                 return (await first), second
         first, second = asyncio.run(main())
