@@ -24,7 +24,7 @@ from chitu_core.quantization.awq import AWQMethod
 from chitu_core.quantization.gguf import GGUFMethod
 from chitu_core.quantization.gguf_blocks import (AFFINE_BITS, BLOCK, NAMES, Q4_0, Q4_1, Q6_K, Q8_0, affine_groups,
                                                  dequantize, random_blocks)
-from chitu_cpu.packed import DenseLinear, Int4PackLinear, pack_linear
+from chitu_cpu.packed import DenseLinear, ExactTopHead, Int4PackLinear, pack_linear
 from packed_checks import assert_matches_dequantized
 from test_quant_gguf import PROMPTS, SIZES, layer_types, write_quantized_gguf
 
@@ -74,6 +74,25 @@ def test_eight_bit_weights_take_twice_the_nibbles_and_x_twice():
     assert packed.parts == 2 and packed.scales_zeros.shape == (2 * 256 // 32, 32, 2)
     x = torch.randn(3, 256).bfloat16().float()  # what the kernel multiplies: no rounding of x left to blame
     assert _nmse(packed(x, None), x.double() @ dequantize(layer.qweight, Q8_0).double().t()) <= 3e-5
+
+
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_1], ids=NAMES.get)
+def test_a_tied_heads_largest_logits_are_the_exact_weights(qtype):
+    """The packed product's logits are bfloat16 values (close ones tie); a tied head recomputes each row's
+    largest in float32 from the blocks, so the greedy choice is the exact weights' (the unpacked path's)."""
+    method, layer = _gguf_layer(qtype, 512, 256, seed=qtype)
+    layer.tied = nn.Module()  # what LMHead.tie sets: the embedding keeps the blocks anyway
+    packed = pack_linear(method, layer, torch.float32)
+    assert isinstance(packed, ExactTopHead)
+    x = torch.randn(4, 256)
+    want = x.double() @ dequantize(layer.qweight, qtype).double().t()
+    got = packed(x, None)
+    top = want.topk(ExactTopHead.TOP // 2, dim=-1).indices  # well inside the recomputed ones
+    assert torch.allclose(got.gather(-1, top).double(), want.gather(-1, top), rtol=1e-6, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert _nmse(got, want) <= 1e-4  # the rest stay the packed product's
+    del layer.tied
+    assert type(pack_linear(method, layer, torch.float32)) is Int4PackLinear  # an untied head: no blocks kept
 
 
 def test_rows_not_a_multiple_of_16_are_dequantized_once():

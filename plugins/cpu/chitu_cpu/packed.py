@@ -15,6 +15,10 @@ only (float32 and float16 take a scalar path some 30x slower), so a float32 or f
 in bfloat16: x is rounded to it and the product cast back. That costs float32 its usual precision (the
 backend declares the wider quant_matmul threshold this needs; the suite shows it).
 
+A tied vocabulary head of GGUF blocks (``ExactTopHead``) recomputes each row's largest logits in float32
+from the blocks the embedding keeps: bfloat16 logits tie where they are close, and the greedy choice among
+ties would fall to token order (4 of 12 chat continuations equal to llama.cpp's without, 7 with).
+
 GGUF weights that do not fit (Q6_K, whose scales change every 16 elements, or N not a multiple of 16)
 are dequantized once into the model dtype (``DenseLinear``) rather than at every call. Declined (the
 method's own ops run instead): int4 group sizes other than 32, 64, 128 or 256, N not a multiple of 16,
@@ -82,6 +86,30 @@ class Int4PackLinear(PackedLinear):
         return y.reshape(*lead, self.n)
 
 
+class ExactTopHead(Int4PackLinear):
+    """A vocabulary head of GGUF blocks: the int4pack product's logits are bfloat16 values, close logits
+    round to the same one, and the largest would be chosen by token order. The TOP largest of each row
+    are recomputed in float32 from the file's own blocks (the tied embedding keeps them), so that the
+    choice among them, and their log-probabilities, are the exact weights' (the unpacked path's)."""
+
+    TOP = 16
+
+    def __init__(self, qweight: torch.Tensor, qtype: int, n: int, k: int):
+        super().__init__(lambda start, stop: affine_groups(qweight[start:stop], qtype), n, k, AFFINE_BITS[qtype], 32)
+        self.qweight, self.qtype = qweight, qtype
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = super().__call__(x, bias)
+        rows, top = y.reshape(-1, self.n), min(self.TOP, self.n)
+        idx = rows.topk(top, dim=-1).indices  # [M, top]
+        weights = dequantize(self.qweight[idx.flatten()], self.qtype).view(*idx.shape, self.k)
+        exact = torch.einsum("mtk,mk->mt", weights, x.reshape(-1, self.k).float())
+        if bias is not None:
+            exact += bias.float()[idx]
+        rows.scatter_(-1, idx, exact.to(rows.dtype))
+        return y
+
+
 class DenseLinear(PackedLinear):
     """W dequantized once into the model dtype."""
 
@@ -104,6 +132,8 @@ def pack_linear(method, layer, dtype: torch.dtype) -> PackedLinear | None:
         if qtype not in AFFINE_BITS or qweight.shape[0] % 16:
             return DenseLinear(dequantize(qweight, qtype).to(dtype))
         n, k = qweight.shape[0], qweight.shape[1] // BLOCK[qtype][1] * BLOCK[qtype][0]
+        if getattr(layer, "tied", None) is not None:  # a head whose blocks the embedding keeps anyway
+            return ExactTopHead(qweight, qtype, n, k)
         return Int4PackLinear(lambda start, stop: affine_groups(qweight[start:stop], qtype), n, k, AFFINE_BITS[qtype], 32)
     if "int4_linear" in getattr(method, "kernels", ()) and getattr(layer, "perm", None) is None \
             and {"qweight", "scales", "zeros"} <= {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_buffers()}:
