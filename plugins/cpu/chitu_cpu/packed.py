@@ -100,7 +100,7 @@ class ExactTopHead(Int4PackLinear):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = super().__call__(x, bias)
-        rows, top = y.reshape(-1, self.n), min(self.TOP, self.n)
+        rows, top = y.view(-1, self.n), min(self.TOP, self.n)  # a view: the scatter below writes into y
         idx = rows.topk(top, dim=-1).indices  # [M, top]
         weights = dequantize(self.qweight[idx.flatten()], self.qtype).view(*idx.shape, self.k)
         exact = torch.einsum("mtk,mk->mt", weights, x.reshape(-1, self.k).float())
