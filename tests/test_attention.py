@@ -133,3 +133,36 @@ def test_decode_steps_extend_the_same_sequences(backend):
             ks[b], vs[b] = torch.cat((ks[b], k)), torch.cat((vs[b], v))
             want = dense_attention(q, ks[b], vs[b], contexts[b], scale)
             torch.testing.assert_close(out[b : b + 1].double(), want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).removeprefix("torch."))
+def test_a_compiled_decode_step_reads_the_cache_in_place(dtype):
+    """Under torch.compile the CPU attention's decode steps take ``decode_attention`` (the graph reads
+    the cache through the block tables, then an opaque op writes the new keys and values): each token
+    attends over everything written before it, windows included, and the cache ends as the eager path
+    leaves it."""
+    hq, hk, d, block_size = 6, 2, 64, 16
+    attn = CpuSdpaAttention(hq, hk, d, block_size, dtype, torch.device("cpu"))
+    scale = 1 / math.sqrt(d)
+    lens = [15, 1, 40, 16]
+    tables, num_blocks = allocate_blocks([n + 4 for n in lens], block_size, spare=2)
+    cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+    _, parts = run_step(attn, cache, tables, [0] * 4, lens, scale)
+    ks, vs = [p[1] for p in parts], [p[2] for p in parts]
+    eager_cache = cache.clone()
+    compiled = torch.compile(attn.forward, dynamic=True)
+    for step in range(4):
+        contexts = [n + step for n in lens]
+        meta = metadata(tables, contexts, [1] * 4, block_size)
+        meta.backend_state = attn.prepare(meta)
+        q, k, v = qkv_views(4, hq, hk, d, dtype)
+        window = 9 if step == 3 else None
+        out = compiled(q, k, v, cache, meta, scale, window=window)
+        eager = attn.forward(q, k, v, eager_cache, meta, scale, window=window)
+        for b in range(4):
+            ks[b], vs[b] = torch.cat((ks[b], k[b : b + 1])), torch.cat((vs[b], v[b : b + 1]))
+            seen = slice(max(0, contexts[b] + 1 - window), None) if window else slice(None)
+            want = dense_attention(q[b : b + 1], ks[b][seen], vs[b][seen], contexts[b] - (seen.start or 0), scale)
+            torch.testing.assert_close(out[b : b + 1].double(), want, **TOL[dtype], msg=lambda m: f"step {step}, {b}: {m}")
+        torch.testing.assert_close(out, eager, **TOL[dtype])
+        assert torch.equal(cache, eager_cache)

@@ -4,7 +4,9 @@ Layout: [2, num_blocks, block_size, num_kv_heads, head_dim], in anonymous zero p
 resident as they are written. Per step, ``prepare``
 builds the packed<->padded index, the causal mask, the gather rows and the slots once; each layer then
 scatters its new keys/values into the cache, gathers every sequence's keys and
-values through its block table, and runs one SDPA call for the whole batch.
+values through its block table, and runs one SDPA call for the whole batch. A decode step inside a
+compiled forward (``CpuBackend.compile_forward``) takes ``decode_attention`` instead: the graph reads
+the cache through the block tables itself, and the write follows the read.
 
 An fp8 cache (contract 1.2) is written as the reference writes it; the gathered
 keys and values are upcast to the model dtype (exact for e4m3) and the scales
@@ -30,6 +32,8 @@ class CpuStepState:
     rows: torch.Tensor  # [B * n] int64: the cache blocks holding each sequence's keys, in order (n blocks each)
     slots: torch.Tensor  # the cache slots of the rows stored (padding rows, slot < 0, left out)
     keep: torch.Tensor | None  # which rows those are, where some are padding
+    token_slots: torch.Tensor | None  # decode steps: [B, max_seq_len] the cache slot of each sequence's tokens
+    last: torch.Tensor | None  # decode steps: [B, 1] each sequence's new token's position (seq_len - 1)
     windows: dict = field(default_factory=dict)  # window -> its mask, made by the first layer that asks
 
     @classmethod
@@ -41,7 +45,12 @@ class CpuStepState:
         if not bool((slots >= 0).all()):  # padding rows are not stored
             keep = slots >= 0
             slots = slots[keep]
-        return cls(seq_idx, pos, causal_mask(meta)[:, None], rows, slots, keep)
+        token_slots = last = None
+        if meta.max_query_len == 1:  # for a compiled step's decode_attention
+            p = torch.arange(meta.max_seq_len, device=rows.device)
+            token_slots = rows.view(meta.num_seqs, -1)[:, p // meta.block_size] * meta.block_size + p % meta.block_size
+            last = (meta.seq_lens.long() - 1)[:, None]
+        return cls(seq_idx, pos, causal_mask(meta)[:, None], rows, slots, keep, token_slots, last)
 
     def windowed(self, meta: AttentionMetadata, window: int) -> torch.Tensor:
         if window not in self.windows:
@@ -73,9 +82,53 @@ class CpuSdpaAttention(AttentionBackend):
             return paged_attention(q, k, v, kv_cache, meta, scale, kv_scale, softcap, window)
         state: CpuStepState = meta.backend_state
         mask = state.mask if window is None else state.windowed(meta, window)
+        if torch.compiler.is_compiling() and mask.shape[2] == 1 and kv_scale is None and state.keep is None:
+            # a compiled decode step: the graph reads the cache itself, then an opaque op writes the new
+            # keys and values (written last, the cache is updated in place rather than copied)
+            out = decode_attention(q, k, v, kv_cache, state.token_slots, state.last, mask, scale, self.num_kv_heads,
+                                   self.head_dim)
+            write_kv_op(k, v, kv_cache, state.slots, None, out)
+            return out
         call = paged_sdpa_op if torch.compiler.is_compiling() else paged_sdpa  # the op: opaque to a compiled step
         return call(q, k, v, kv_cache, state.slots, state.keep, state.rows, state.seq_idx, state.pos, mask, scale,
                     kv_scale, window is not None)
+
+
+def write_new_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                 keep: torch.Tensor | None, after: torch.Tensor | None = None) -> None:
+    """Store a step's new keys and values (rows ``keep`` of them, where some are padding) at ``slots``.
+    ``after``, unused, orders the write in a compiled graph: a tensor computed from the cache's old
+    contents, so that every read of them comes first (else the compiler may move a read past the write,
+    and then keeps the old contents by copying the whole cache)."""
+    if keep is not None:
+        k, v = k[keep], v[keep]
+    kv_cache.view(2, -1, *kv_cache.shape[3:]).index_copy_(1, slots, torch.stack((k, v)).to(kv_cache.dtype))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     token_slots: torch.Tensor, last: torch.Tensor, mask: torch.Tensor, scale: float,
+                     num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A decode step's attention (one query row per sequence) in plain tensor operations, for a compiled
+    step: inductor fuses the cache lookup into the products and the softmax, so no sequence's keys are
+    copied out of the cache first (``paged_sdpa`` gathers them: at batch 16 that copy and the second
+    read cost SmolLM2 more than its weights). q [B, Hq, D]; the new k and v [B, Hk, D], not yet in the
+    cache, stand at each sequence's position ``last``; ``token_slots``, ``last`` and ``mask``
+    [B, 1, 1, S] as ``CpuStepState`` has them. The head sizes come as plain ints (the attention's own),
+    so that a graph compiled with dynamic shapes keeps them constant and vectorises over them. float32
+    inside."""
+    b, s = token_slots.shape
+    hk, d = num_kv_heads, head_dim
+    hq = q.shape[1]
+    flat = kv_cache.view(2, -1, hk, d)
+    new = (torch.arange(s, device=q.device)[None, :] == last)[:, :, None, None]  # [B, S, 1, 1]
+    keys = torch.where(new, k[:, None].float(), flat[0][token_slots].float())  # [B, S, Hk, D]
+    values = torch.where(new, v[:, None].float(), flat[1][token_slots].float())
+    qg = q.float().view(b, 1, hk, hq // hk, d)
+    scores = (qg * keys[:, :, :, None]).sum(-1) * scale  # [B, S, Hk, G]
+    scores = scores.masked_fill(~mask.view(b, s, 1, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[..., None] * values[:, :, :, None]).sum(1)  # [B, Hk, G, D]
+    return out.reshape(b, hq, d).to(q.dtype)
 
 
 def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
@@ -86,12 +139,12 @@ def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torc
     by index_select, several times faster than advanced indexing) and one SDPA call for the batch. A decode step (one
     query row per sequence) needs no padding, and a single sequence no mask unless ``windowed`` (a
     sliding-window mask hides its oldest keys)."""
-    if keep is not None:
-        k, v = k[keep], v[keep]
     if kv_scale is not None:  # an fp8 cache: written as the reference writes it
+        if keep is not None:
+            k, v = k[keep], v[keep]
         write_kv(kv_cache, k, v, slots, kv_scale)
     else:
-        kv_cache.view(2, -1, *kv_cache.shape[3:]).index_copy_(1, slots, torch.stack((k, v)).to(kv_cache.dtype))
+        write_new_kv(k, v, kv_cache, slots, keep)
     b, _, max_q, max_s = mask.shape
     num_blocks, block_size, hk, d = kv_cache.shape[1:]
     gathered = kv_cache.view(2, num_blocks, -1).index_select(1, rows)
@@ -124,3 +177,7 @@ _LIBRARY.define("paged_sdpa(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, T
 _LIBRARY.impl("paged_sdpa", paged_sdpa, "CPU")
 _LIBRARY.impl("paged_sdpa", lambda q, *_: torch.empty_like(q), "Meta")
 paged_sdpa_op = torch.ops.chitu_cpu.paged_sdpa
+_LIBRARY.define("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots, Tensor? keep, Tensor? after) -> ()")
+_LIBRARY.impl("write_kv", write_new_kv, "CPU")
+_LIBRARY.impl("write_kv", lambda *_: None, "Meta")
+write_kv_op = torch.ops.chitu_cpu.write_kv
