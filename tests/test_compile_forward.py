@@ -28,6 +28,24 @@ def test_the_compiled_forward_matches_the_eager_one(pair):
            [o.outputs[0].token_ids for o in compiled.generate(batch, params)]
 
 
+def test_two_compiled_models_of_one_class_keep_their_own_graphs(pair, tmp_path):
+    """The CPU backend skips Dynamo's guards on the model's modules, so each engine compiles a forward
+    of its own: a second Llama of the same sizes but another norm epsilon (a constant inside the graph,
+    held by the modules only) must not run the first one's graphs."""
+    eager, _ = pair
+    path = tmp_path / "hf"
+    build_model(path, "llama", seed=1, rms_norm_eps=0.5)
+    opts = dict(device="cpu", dtype="float32", load_progress=False, max_model_len=128, max_num_seqs=8)
+    other, other_compiled = LLM(str(path), **opts), LLM(str(path), compile_forward=True, **opts)
+    a, b = batched_last_logits(other, PROMPTS), batched_last_logits(other_compiled, PROMPTS)
+    assert ((a - b).pow(2).sum() / a.pow(2).sum()).item() <= 1e-10
+    params = SamplingParams(max_tokens=12, temperature=0)
+    for first, second in ((eager, pair[1]), (other, other_compiled)):
+        batch = [{"prompt_token_ids": p} for p in PROMPTS]
+        assert [o.outputs[0].token_ids for o in first.generate(batch, params)] == \
+               [o.outputs[0].token_ids for o in second.generate(batch, params)]
+
+
 def test_a_backend_without_a_compiler_runs_the_forward_as_it_is():
     forward = object()
     assert Backend.compile_forward(None, forward) is forward
