@@ -46,6 +46,7 @@ INT4_CASES = [  # k, n, group, config (None: the default), dtype
     (256, 64, 128, GemvConfig(32, 32, 1, 1), torch.float16),
     (512, 96, 128, GemvConfig(64, 32, 4, 2), torch.float16),   # split-K, N ragged at the block
     (1024, 40, 32, GemvConfig(16, 16, 3, 1), torch.bfloat16),  # groups of 32, three uneven slices
+    (768, 72, 128, GemvConfig(64, 64, 5, 2), torch.bfloat16),  # 64-feature steps (the default), uneven slices
     (256, 48, 8, None, torch.float16),                         # groups of 8: one packed row a step
     (512, 512, 64, None, torch.bfloat16),                      # the default tiles
 ]
@@ -117,8 +118,9 @@ def test_configs_are_the_measured_tiles():
     functions' docstrings)."""
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     assert [int4.int4_gemv_config(n, k, 128, 132) for n, k in shapes] == [
-        GemvConfig(256, 32, 44, 2), GemvConfig(256, 32, 66, 2), GemvConfig(256, 32, 10, 2), GemvConfig(256, 32, 66, 2)]
+        GemvConfig(256, 64, 16, 2), GemvConfig(256, 64, 16, 2), GemvConfig(256, 64, 10, 2), GemvConfig(256, 64, 56, 2)]
     assert int4.int4_gemv_config(4096, 4096, 16, 132).block_k == 16
+    assert int4.int4_gemv_config(4096, 4096, 32, 132).block_k == 32
     assert [fp8.fp8_gemv_config(n, k, 132) for n, k in shapes] == [
         GemvConfig(32, 128, 6, 4), GemvConfig(32, 128, 9, 4), GemvConfig(64, 128, 1, 8), GemvConfig(32, 128, 9, 2)]
 
