@@ -29,9 +29,10 @@ def test_the_compiled_forward_matches_the_eager_one(pair):
 
 
 def test_two_compiled_models_of_one_class_keep_their_own_graphs(pair, tmp_path):
-    """The CPU backend skips Dynamo's guards on the model's modules, so each engine compiles a forward
-    of its own: a second Llama of the same sizes but another norm epsilon (a constant inside the graph,
-    held by the modules only) must not run the first one's graphs."""
+    """The CPU backend skips Dynamo's guards on the model's modules (each engine compiles a forward of its
+    own, and the guards Dynamo keeps still see constants): a second Llama of the same sizes but another
+    norm epsilon (a constant inside the graph, held by the modules) must not run the first one's graphs.
+    Dropping every guard fails it."""
     eager, _ = pair
     path = tmp_path / "hf"
     build_model(path, "llama", seed=1, rms_norm_eps=0.5)

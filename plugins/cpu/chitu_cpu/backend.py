@@ -72,11 +72,12 @@ class CpuBackend(Backend):
         nothing are left out: indirect indexes inside the graph (every index it takes is the engine's:
         token ids are checked on admission, positions, slots and block tables are the scheduler's own),
         and Dynamo's guards on the model's modules (their weights and attributes, fixed once loaded and
-        packed: about 10,000 guards, 1.5 ms of a 9 ms SmolLM2 batch-1 step, 0.5 ms left). Dynamo keeps
+        packed: about 10,000 guards, 1.5 ms of a 9 ms SmolLM2 batch-1 step, 0.33 ms left). Dynamo keeps
         its graphs on the code object it compiles, which without those guards must be this engine's alone
         (another model of the same class in the process could otherwise run this one's graphs): the forward
-        is called from a function whose code object is made here. About a fifth off a SmolLM2 batch-1
-        decode step, a quarter at batch 16, for ~35 s of compiling."""
+        is called from a function whose code object is made here. SmolLM2 Q4_1 on the 2-core CPU page
+        (docs/benchmarks/cpu-smollm2.md), eager -> compiled: 11.4 -> 7.2 ms a batch-1 decode step, 41.2 ->
+        30.2 ms at batch 16, for ~35 s of compiling."""
         def run(*args, **kwargs):
             return forward(*args, **kwargs)
 
