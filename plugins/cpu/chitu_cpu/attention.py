@@ -87,7 +87,7 @@ class CpuSdpaAttention(AttentionBackend):
             # keys and values (written last, the cache is updated in place rather than copied)
             out = decode_attention(q, k, v, kv_cache, state.token_slots, state.last, mask, scale, self.num_kv_heads,
                                    self.head_dim)
-            write_kv_op(k, v, kv_cache, state.slots, None, out)
+            write_kv_op(k, v, kv_cache, state.slots, out)
             return out
         call = paged_sdpa_op if torch.compiler.is_compiling() else paged_sdpa  # the op: opaque to a compiled step
         return call(q, k, v, kv_cache, state.slots, state.keep, state.rows, state.seq_idx, state.pos, mask, scale,
@@ -95,13 +95,11 @@ class CpuSdpaAttention(AttentionBackend):
 
 
 def write_new_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-                 keep: torch.Tensor | None, after: torch.Tensor | None = None) -> None:
-    """Store a step's new keys and values (rows ``keep`` of them, where some are padding) at ``slots``.
+                 after: torch.Tensor | None = None) -> None:
+    """Store a step's new keys and values at ``slots``.
     ``after``, unused, orders the write in a compiled graph: a tensor computed from the cache's old
     contents, so that every read of them comes first (else the compiler may move a read past the write,
     and then keeps the old contents by copying the whole cache)."""
-    if keep is not None:
-        k, v = k[keep], v[keep]
     kv_cache.view(2, -1, *kv_cache.shape[3:]).index_copy_(1, slots, torch.stack((k, v)).to(kv_cache.dtype))
 
 
@@ -139,12 +137,12 @@ def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torc
     by index_select, several times faster than advanced indexing) and one SDPA call for the batch. A decode step (one
     query row per sequence) needs no padding, and a single sequence no mask unless ``windowed`` (a
     sliding-window mask hides its oldest keys)."""
+    if keep is not None:
+        k, v = k[keep], v[keep]
     if kv_scale is not None:  # an fp8 cache: written as the reference writes it
-        if keep is not None:
-            k, v = k[keep], v[keep]
         write_kv(kv_cache, k, v, slots, kv_scale)
     else:
-        write_new_kv(k, v, kv_cache, slots, keep)
+        write_new_kv(k, v, kv_cache, slots)
     b, _, max_q, max_s = mask.shape
     num_blocks, block_size, hk, d = kv_cache.shape[1:]
     gathered = kv_cache.view(2, num_blocks, -1).index_select(1, rows)
@@ -177,7 +175,7 @@ _LIBRARY.define("paged_sdpa(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, T
 _LIBRARY.impl("paged_sdpa", paged_sdpa, "CPU")
 _LIBRARY.impl("paged_sdpa", lambda q, *_: torch.empty_like(q), "Meta")
 paged_sdpa_op = torch.ops.chitu_cpu.paged_sdpa
-_LIBRARY.define("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots, Tensor? keep, Tensor? after) -> ()")
+_LIBRARY.define("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots, Tensor? after) -> ()")
 _LIBRARY.impl("write_kv", write_new_kv, "CPU")
 _LIBRARY.impl("write_kv", lambda *_: None, "Meta")
 write_kv_op = torch.ops.chitu_cpu.write_kv

@@ -86,6 +86,11 @@ class Int4PackLinear(PackedLinear):
         return y.reshape(*lead, self.n)
 
 
+def gguf_groups(qweight: torch.Tensor, qtype: int):
+    """``Int4PackLinear``'s source of groups for GGUF blocks: rows start..stop as affine groups of 32."""
+    return lambda start, stop: affine_groups(qweight[start:stop], qtype)
+
+
 class ExactTopHead(Int4PackLinear):
     """A vocabulary head of GGUF blocks: the int4pack product's logits are bfloat16 values, close logits
     round to the same one, and the largest would be chosen by token order. The TOP largest of each row
@@ -95,7 +100,7 @@ class ExactTopHead(Int4PackLinear):
     TOP = 16
 
     def __init__(self, qweight: torch.Tensor, qtype: int, n: int, k: int):
-        super().__init__(lambda start, stop: affine_groups(qweight[start:stop], qtype), n, k, AFFINE_BITS[qtype], 32)
+        super().__init__(gguf_groups(qweight, qtype), n, k, AFFINE_BITS[qtype], 32)
         self.qweight, self.qtype = qweight, qtype
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -134,7 +139,7 @@ def pack_linear(method, layer, dtype: torch.dtype) -> PackedLinear | None:
         n, k = qweight.shape[0], qweight.shape[1] // BLOCK[qtype][1] * BLOCK[qtype][0]
         if getattr(layer, "tied", None) is not None:  # a head whose blocks the embedding keeps anyway
             return ExactTopHead(qweight, qtype, n, k)
-        return Int4PackLinear(lambda start, stop: affine_groups(qweight[start:stop], qtype), n, k, AFFINE_BITS[qtype], 32)
+        return Int4PackLinear(gguf_groups(qweight, qtype), n, k, AFFINE_BITS[qtype], 32)
     if "int4_linear" in getattr(method, "kernels", ()) and getattr(layer, "perm", None) is None \
             and {"qweight", "scales", "zeros"} <= {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_buffers()}:
         return _pack_int4(layer)
