@@ -14,6 +14,7 @@ from builders import build_model
 from chitu_core.bench import floor, peer_llamacpp
 from chitu_core.bench.__main__ import main
 from chitu_core.bench.agree import PROMPTS, compare
+from chitu_core.bench.agree import render as render_agree
 from chitu_core.bench.offline import render
 from chitu_core.loader.gguf import default_model_file
 
@@ -91,6 +92,31 @@ def test_compare_finds_the_first_difference_and_the_gaps_there():
         "identical": False, "first_diff": 1, "ours_token": 6, "llamacpp_token": 8, "ours_gap": 0.02, "llamacpp_gap": 0.01}
 
 
+def test_the_agreement_table_shows_the_control_beside_ours():
+    rows = [{"prompt": "a", "prompt_tokens": 3, "identical": True, "first_diff": None, "control_first_diff": 2},
+            {"prompt": "b", "prompt_tokens": 4, "identical": False, "first_diff": 1, "ours_text": "x", "ours_gap": 0.02,
+             "llamacpp_text": "y", "llamacpp_gap": 0.01, "control_first_diff": None}]
+    text = render_agree({"model": "m", "backend": "cpu", "dtype": "float32", "quantization": "gguf", "threads": 1,
+                         "llama_cpp_version": "v", "llamacpp_weights": "w", "tokens": 4, "rows": rows, "identical": 1,
+                         "control_identical": 1})
+    lines = text.splitlines()
+    assert lines[-5].split()[-1] == "control"
+    assert lines[-4].split() == ["1", "a", "3", "identical", "differ", "at", "2"]
+    assert lines[-3].split() == ["2", "b", "4", "differ", "at", "1", "'x'", "(0.020)", "'y'", "(0.010)", "identical"]
+    assert lines[-1] == "1 of 2 identical; control: llama.cpp against itself, 1 of 2"
+
+
+def test_the_control_peer_keeps_its_kv_cache_in_float32():
+    llama_cpp = pytest.importorskip("llama_cpp")
+    default, control = (peer_llamacpp.load(default_model_file(), 64, 1, float32_kv=f) for f in (False, True))
+    try:
+        assert (default.context_params.type_k, default.context_params.type_v) == (llama_cpp.GGML_TYPE_F16,) * 2
+        assert (control.context_params.type_k, control.context_params.type_v) == (llama_cpp.GGML_TYPE_F32,) * 2
+    finally:
+        default.close()
+        control.close()
+
+
 def test_llama_cpp_peer_runs_on_the_default_gguf(capsys):
     llama_cpp = pytest.importorskip("llama_cpp")
     # One thread each: on a shared machine, two spinning OpenMP pools (torch's, llama.cpp's) can stall each other.
@@ -113,5 +139,7 @@ def test_agree_on_the_default_gguf(capsys):
     r = json.loads(capsys.readouterr().out)
     assert [row["prompt"] for row in r["rows"]] == PROMPTS and r["tokens"] == 4 and r["threads"] == 1
     assert r["identical"] == sum(row["identical"] for row in r["rows"])
+    assert r["control_identical"] == sum(row["control_first_diff"] is None for row in r["rows"])
     for row in r["rows"]:
         assert row["identical"] or (0 <= row["first_diff"] < 4 and row["ours_gap"] >= 0 and row["llamacpp_gap"] >= 0)
+        assert row["control_first_diff"] is None or 0 <= row["control_first_diff"] < 4

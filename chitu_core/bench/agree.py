@@ -11,6 +11,11 @@ agree up to there). Two implementations that round differently (our dtype and ke
 quantized dot products) may part at a near tie, a gap of a few hundredths; a wide gap where they part
 points at a bug.
 
+The control: llama.cpp against itself with one of its own roundings changed (its KV cache in float32
+instead of float16), on the same prompts. How often that parts from llama.cpp's default is how far
+"identical" can be read as correctness on this model and these prompts: a small model decoding 32
+tokens greedily turns any rounding difference into a different continuation wherever it passes a near tie.
+
 llama-cpp-python must be installed (``pip install 'chitu-core[bench-llamacpp]'``); without it the
 command exits with status 1 and says so.
 """
@@ -48,10 +53,15 @@ def _our_gap(logprobs: dict[int, float]) -> float:
     return first - second
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two continuations differ, or None where they are identical."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def compare(ours: list[int], our_logprobs: list[dict[int, float]], theirs: list[int],
             their_gaps: list[float]) -> dict[str, Any]:
     """One prompt's row: identical, or the first differing position with each side's token and top-2 gap there."""
-    diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    diff = first_difference(ours, theirs)
     if diff is None:
         return {"identical": True, "first_diff": None}
     return {"identical": False, "first_diff": diff, "ours_token": ours[diff], "llamacpp_token": theirs[diff],
@@ -68,25 +78,35 @@ def run_agree(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, logprobs=2)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
     decode = llm.tokenizer.decode
-    peer = peer_llamacpp.load(model, max(len(o.prompt_token_ids) for o in outputs) + args.tokens + 8, threads)
+    n_ctx = max(len(o.prompt_token_ids) for o in outputs) + args.tokens + 8
+    peer = peer_llamacpp.load(model, n_ctx, threads)
+    control = peer_llamacpp.load(model, n_ctx, threads, float32_kv=True)
     rows = []
     try:
         for text, out in zip(PROMPTS, outputs):
             gaps: list[float] = []
             theirs, _, _ = peer_llamacpp.greedy(peer, out.prompt_token_ids, args.tokens, gaps)
+            own, _, _ = peer_llamacpp.greedy(control, out.prompt_token_ids, args.tokens)
             ours = out.outputs[0]
             row = {"prompt": text, "prompt_tokens": len(out.prompt_token_ids),
-                   **compare(ours.token_ids, ours.logprobs, theirs, gaps)}
+                   **compare(ours.token_ids, ours.logprobs, theirs, gaps),
+                   "control_first_diff": first_difference(own, theirs)}
             if not row["identical"]:
                 row["ours_text"], row["llamacpp_text"] = decode([row["ours_token"]]), decode([row["llamacpp_token"]])
             rows.append(row)
         weights = peer_llamacpp.weights(peer)
     finally:
         peer.close()
+        control.close()
     return {"model": model, "backend": llm.engine.backend.name, "dtype": str(llm.engine.dtype).removeprefix("torch."),
             "quantization": llm.engine.quant.describe(), "packed": not args.unpacked, "threads": threads, "tokens": args.tokens,
             "llama_cpp_version": llama_cpp.__version__, "llamacpp_weights": weights, "rows": rows,
-            "identical": sum(r["identical"] for r in rows)}
+            "identical": sum(r["identical"] for r in rows),
+            "control_identical": sum(r["control_first_diff"] is None for r in rows)}
+
+
+def _said(diff: int | None) -> str:
+    return "identical" if diff is None else f"differ at {diff}"
 
 
 def render(r: dict[str, Any]) -> str:
@@ -96,18 +116,18 @@ def render(r: dict[str, Any]) -> str:
              f"llama.cpp llama-cpp-python {r['llama_cpp_version']}, {r['threads']} threads, on {r['llamacpp_weights']}",
              f"greedy   {r['tokens']} tokens after each chat prompt, EOS ignored; at the first difference, each "
              "side's token and its top-2 logit gap",
+             "control  llama.cpp with its KV cache in float32 (default float16) against llama.cpp: one of its own "
+             "roundings changed",
              "",
-             f"{'#':>2}  {'prompt':<44} {'in':>4}  {'agree':<16} {'ours (gap)':<26} llama.cpp (gap)"]
+             f"{'#':>2}  {'prompt':<44} {'in':>4}  {'agree':<16} {'ours (gap)':<26} {'llama.cpp (gap)':<26} control"]
     for i, row in enumerate(r["rows"], 1):
         prompt = row["prompt"] if len(row["prompt"]) <= 44 else row["prompt"][:41] + "..."
-        line = f"{i:>2}  {prompt:<44} {row['prompt_tokens']:>4}  "
-        if row["identical"]:
-            lines.append(line + "identical")
-            continue
-        ours = f"{row['ours_text']!r} ({row['ours_gap']:.3f})"
-        lines.append(line + f"{'differ at ' + str(row['first_diff']):<16} {ours:<26} "
-                     f"{row['llamacpp_text']!r} ({row['llamacpp_gap']:.3f})")
-    lines += ["", f"{r['identical']} of {len(r['rows'])} identical"]
+        line = f"{i:>2}  {prompt:<44} {row['prompt_tokens']:>4}  {_said(row['first_diff']):<16} "
+        ours = "" if row["identical"] else f"{row['ours_text']!r} ({row['ours_gap']:.3f})"
+        theirs = "" if row["identical"] else f"{row['llamacpp_text']!r} ({row['llamacpp_gap']:.3f})"
+        lines.append(f"{line}{ours:<26} {theirs:<26} {_said(row['control_first_diff'])}")
+    n = len(r["rows"])
+    lines += ["", f"{r['identical']} of {n} identical; control: llama.cpp against itself, {r['control_identical']} of {n}"]
     return "\n".join(lines)
 
 

@@ -88,15 +88,17 @@ def _no_extra_buffer_types():
         bindings.llama_model_default_params = defaults
 
 
-def load(gguf_path: str | Path, n_ctx: int, threads: int):
+def load(gguf_path: str | Path, n_ctx: int, threads: int, float32_kv: bool = False):
     """A ``llama_cpp.Llama`` on ``gguf_path`` with room for ``n_ctx`` tokens, ``threads`` threads for both
     the prompt and the decode, and logits kept for the last token of each eval only. Where the build has
-    AMX, without extra buffer types (``AMX_OFF`` says why)."""
-    from llama_cpp import Llama
+    AMX, without extra buffer types (``AMX_OFF`` says why). ``float32_kv``: its KV cache in float32
+    instead of its default float16 (one rounding of llama.cpp's own changed, for ``bench agree``'s control)."""
+    import llama_cpp
 
+    kv = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if float32_kv else {}
     with _no_extra_buffer_types() if amx_built_in() else nullcontext():
-        return Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                     n_batch=512, verbose=False)
+        return llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                               n_batch=512, verbose=False, **kv)
 
 
 def weights(llm) -> str:
