@@ -50,3 +50,18 @@ def test_two_compiled_models_of_one_class_keep_their_own_graphs(pair, tmp_path):
 def test_a_backend_without_a_compiler_runs_the_forward_as_it_is():
     forward = object()
     assert Backend.compile_forward(None, forward) is forward
+
+
+def test_the_compiled_steps_own_asserts_run_only_when_ops_are_checked(monkeypatch):
+    """The CPU's compiled step drops inductor's per-operator size, stride, alignment and scalar asserts,
+    except under CHITU_CHECK_OPS=1; the names are inductor's own options (an unknown one makes torch.compile
+    raise, so they are checked here against inductor's config)."""
+    import torch._inductor.config as inductor_config
+    from chitu_cpu.backend import compile_options
+
+    asserts = ("size_asserts", "scalar_asserts", "alignment_asserts")
+    assert all(hasattr(inductor_config, name) for name in asserts)
+    monkeypatch.delenv("CHITU_CHECK_OPS", raising=False)
+    assert [compile_options()[name] for name in asserts] == [False] * 3
+    monkeypatch.setenv("CHITU_CHECK_OPS", "1")
+    assert [compile_options()[name] for name in asserts] == [True] * 3

@@ -15,6 +15,13 @@ from chitu_cpu.mla import CpuSdpaMLAAttention
 _compiled = itertools.count()  # names for the compiled forwards' code objects
 
 
+def compile_options() -> dict:
+    """Inductor's options for ``CpuBackend.compile_forward`` (see there)."""
+    checked = os.environ.get("CHITU_CHECK_OPS", "") not in ("", "0")
+    return {"assert_indirect_indexing": False, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            "size_asserts": checked, "scalar_asserts": checked, "alignment_asserts": checked}
+
+
 class CpuBackend(Backend):
     name = "cpu"
     device_type = "cpu"
@@ -77,13 +84,16 @@ class CpuBackend(Backend):
         (another model of the same class in the process could otherwise run this one's graphs): the forward
         is called from a function whose code object is made here. SmolLM2 Q4_1 on the 2-core CPU page
         (docs/benchmarks/cpu-smollm2.md), eager -> compiled: 11.4 -> 7.2 ms a batch-1 decode step, 41.2 ->
-        30.2 ms at batch 16, for ~35 s of compiling."""
+        30.2 ms at batch 16, for ~35 s of compiling.
+
+        The generated step's own checks of its operators' output sizes, strides, alignment and scalar
+        bounds run in Python around every operator (about 400 a SmolLM2 step); they are kept only under
+        ``CHITU_CHECK_OPS=1``, the switch that checks every op's outputs (``ops.table.with_checks_if_asked``)."""
         def run(*args, **kwargs):
             return forward(*args, **kwargs)
 
         run.__code__ = run.__code__.replace(co_name=f"compiled_forward_{next(_compiled)}")
-        return torch.compile(run, dynamic=True, options={
-            "assert_indirect_indexing": False, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        return torch.compile(run, dynamic=True, options=compile_options())
 
     def tolerances(self):
         # The packed 4-bit kernel multiplies in bfloat16 (chitu_cpu.packed): float32 rows take bfloat16's threshold.
