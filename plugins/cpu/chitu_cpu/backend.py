@@ -83,8 +83,8 @@ class CpuBackend(Backend):
         its graphs on the code object it compiles, which without those guards must be this engine's alone
         (another model of the same class in the process could otherwise run this one's graphs): the forward
         is called from a function whose code object is made here. SmolLM2 Q4_1 on the 2-core CPU page
-        (docs/benchmarks/cpu-smollm2.md), eager -> compiled: 11.4 -> 7.2 ms a batch-1 decode step, 41.2 ->
-        30.2 ms at batch 16, for ~35 s of compiling.
+        (docs/benchmarks/cpu-smollm2.md), eager -> compiled: 10.9 -> 8.0 ms a batch-1 decode step, 42.1 ->
+        30.6 ms at batch 16, for ~35 s of compiling.
 
         The generated step's own checks of its operators' output sizes, strides, alignment and scalar
         bounds run in Python around every operator (about 400 a SmolLM2 step); they are kept only under
