@@ -60,10 +60,16 @@ def resolve_ops(
     return Ops(impls, sources)
 
 
+def checks_asked() -> bool:
+    """Whether ``CHITU_CHECK_OPS`` asks for checked ops (set, and not "0"). A backend that drops runtime
+    checks of its own for speed keeps them when this is true."""
+    return os.environ.get("CHITU_CHECK_OPS", "") not in ("", "0")
+
+
 def with_checks_if_asked(ops: Ops) -> Ops:
     """``ops`` itself, or under ``CHITU_CHECK_OPS=1`` a copy whose every op checks its outputs against
     the contract (``chitu_core.ops.checks``) and names the op that broke it. The default costs nothing."""
-    if os.environ.get("CHITU_CHECK_OPS", "") in ("", "0"):
+    if not checks_asked():
         return ops
     from chitu_core.ops.checks import checked_ops
 

@@ -7,6 +7,7 @@ import platform
 import torch
 
 from chitu_core.backend import Availability, Backend, MemoryInfo, host_memory_info
+from chitu_core.ops.table import checks_asked
 from chitu_cpu import ops
 from chitu_cpu.packed import pack_linear
 from chitu_cpu.attention import CpuSdpaAttention
@@ -17,7 +18,7 @@ _compiled = itertools.count()  # names for the compiled forwards' code objects
 
 def compile_options() -> dict:
     """Inductor's options for ``CpuBackend.compile_forward`` (see there)."""
-    checked = os.environ.get("CHITU_CHECK_OPS", "") not in ("", "0")
+    checked = checks_asked()
     return {"assert_indirect_indexing": False, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             "size_asserts": checked, "scalar_asserts": checked, "alignment_asserts": checked}
 
@@ -88,7 +89,7 @@ class CpuBackend(Backend):
 
         The generated step's own checks of its operators' output sizes, strides, alignment and scalar
         bounds run in Python around every operator (about 400 a SmolLM2 step); they are kept only under
-        ``CHITU_CHECK_OPS=1``, the switch that checks every op's outputs (``ops.table.with_checks_if_asked``)."""
+        ``CHITU_CHECK_OPS=1``, the switch that checks every op's outputs (``ops.table.checks_asked``)."""
         def run(*args, **kwargs):
             return forward(*args, **kwargs)
 
