@@ -50,8 +50,10 @@ class ServeConfig(EngineConfig):
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "deepseek_v3"] | None = Field(None, description=(
         "read tool calls in the model's output (tool_choice auto): hermes, llama3_json, mistral or deepseek_v3 "
         "(default: guessed from the chat template, else none)"))
-    engine_process: bool = Field(True, description="run the engine core in a process of its own (no GIL shared with "
-                                 "HTTP handling); off: in a thread of the server's process")
+    engine_process: bool | None = Field(None, description=(
+        "run the engine core in a process of its own (no GIL shared with HTTP handling); off: in a thread of the "
+        "server's process (default: a process, except where the backend computes on the host's own cores, device "
+        "type 'cpu', which a second process would share while holding a second copy of the runtime: a thread)"))
 
 
 def _split_config_file(argv: list[str]) -> tuple[dict, list[str]]:
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format=f"%(levelname)s %(name)s{where}: %(message)s")
     from chitu_core.plugins.discovery import get_backend
 
-    model_dir = resolve_model(config.model, keep_quantized="gguf" in get_backend(config.device).quant_methods())
+    backend = get_backend(config.device)
+    model_dir = resolve_model(config.model, keep_quantized="gguf" in backend.quant_methods())
     engine_fields = {k: getattr(config, k) for k in EngineConfig.model_fields}
     engine_config = EngineConfig(**{**engine_fields, "model": model_dir})
     if rank != 0:
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_follower(engine_config)
     name = config.served_model_name or (default_model_name(config.model) if config.model else embedded_model_name())
-    llm = AsyncLLM(engine_config, process=config.engine_process)
+    process = config.engine_process if config.engine_process is not None else backend.device_type != "cpu"
+    llm = AsyncLLM(engine_config, process=process)
     app = build_app(llm, [name], config.api_key, config.max_pending, config.reasoning_parser, config.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
 

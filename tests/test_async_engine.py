@@ -181,6 +181,41 @@ def test_engine_process_streams_equal_offline_and_drain(model_path):
     assert llm._process.exitcode == 0  # it left on "stop"
 
 
+def test_a_thread_core_builds_its_engine_on_its_own_thread(model_path, monkeypatch):
+    # Host thread pools (OpenMP's) belong to the thread that opens a parallel region: built elsewhere,
+    # the engine's steps would run on a second pool, and every parallel op would wait on wake-ups.
+    import threading
+
+    import chitu_core.engine.async_engine as async_engine
+
+    built_on = []
+
+    class Recorded(async_engine.LLMEngine):
+        def __init__(self, *args, **kw):
+            built_on.append(threading.current_thread().name)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recorded)
+
+    async def main():
+        llm = AsyncLLM(config(model_path))
+        deltas = await collect(llm, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        await llm.shutdown()
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert built_on == ["chitu-engine"]
+    assert sum(len(d.outputs[0].token_ids) for d in deltas) == 4
+
+
+def test_a_thread_core_that_cannot_load_raises_its_error_here(tmp_path):
+    import threading
+
+    with pytest.raises(ChituError, match="config.json"):
+        AsyncLLM(EngineConfig(model=str(tmp_path), device="cpu", load_progress=False))
+    assert not [t for t in threading.enumerate() if t.name == "chitu-engine"]
+
+
 def test_engine_process_that_cannot_load_says_why(tmp_path):
     with pytest.raises(ChituError, match="engine process could not start: .*config.json"):
         AsyncLLM(EngineConfig(model=str(tmp_path), device="cpu", load_progress=False), process=True)

@@ -46,10 +46,12 @@ def served(tmp_path_factory):
     assert proc.returncode == 0 and "leaked" not in out, out[-2000:]
 
 
-def test_the_engine_core_runs_in_a_process_of_its_own(served):
-    _, proc = served
+def test_on_the_cpu_the_engine_core_runs_in_a_thread_of_the_server(served):
+    _, proc = served  # a spawned core would hold a second copy of the runtime and share the same cores
     children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout
-    assert "multiprocessing" in children  # the spawned engine core
+    assert "spawn_main" not in children
+    threads = subprocess.run(["ps", "-o", "nlwp=", "-p", str(proc.pid)], capture_output=True, text=True).stdout
+    assert int(threads) > 1
 
 
 def test_the_embedded_default_knows_the_capital_of_france(served):

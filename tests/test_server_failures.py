@@ -206,7 +206,7 @@ def engine_children(pid: int) -> list[int]:
 def test_serve_exits_non_zero_when_its_engine_dies(model_path, tmp_path):
     port, log_path = free_port(), tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "chitu_core.serve", "--model", str(model_path), "--device", "cpu",
-           "--dtype", "float32", "--port", str(port), "--log-level", "warning"]
+           "--dtype", "float32", "--port", str(port), "--log-level", "warning", "--engine-process"]
     env = {**os.environ, "CHITU_LOAD_PROGRESS": "false"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -76,23 +76,48 @@ class AsyncLLM:
         if process:
             self._start_process(config)
         else:
-            self.engine = engine or LLMEngine(config)
-            self.tokenizer, self.max_model_len = self.engine.tokenizer, self.engine.max_model_len
-            commands: queue.Queue = queue.Queue()
-            self._send_command = commands.put
+            self._start_thread(config, engine)
 
-            def receive(timeout: float | None):
-                try:
-                    return commands.get(block=timeout != 0, timeout=timeout)
-                except queue.Empty:
-                    return None
+    def _start_thread(self, config: EngineConfig, engine: LLMEngine | None) -> None:
+        """The core in a thread, which also builds the engine (unless given one) and waits until it has.
 
-            # Under torchrun this process is rank 0 and drives the others; if one stops, the
-            # watchdog says so and ends the process (the core may be stuck in a collective).
-            lockstep = driver_lockstep(self.engine, lambda reason: log.error("exiting: the engine failed: %s", reason))
-            core = EngineCore(self.engine, receive, self._dispatch, lockstep)
-            self._thread = threading.Thread(target=core.run, name="chitu-engine", daemon=True)
-            self._thread.start()
+        Built there, the engine's host work (loading, packing, every step) runs on one thread. Host
+        thread pools such as OpenMP's belong to the thread that opens a parallel region: a second
+        thread using them adds a second pool, and with more pooled threads than cores the runtime
+        stops spinning between regions, so each parallel op waits for its workers to wake (measured
+        on 2 cores: the embedded default decoded 55 tok/s in a thread after loading elsewhere, 95
+        on the loading thread)."""
+        commands: queue.Queue = queue.Queue()
+        self._send_command = commands.put
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def receive(timeout: float | None):
+            try:
+                return commands.get(block=timeout != 0, timeout=timeout)
+            except queue.Empty:
+                return None
+
+        def run() -> None:
+            try:
+                self.engine = engine or LLMEngine(config)
+                # Under torchrun this process is rank 0 and drives the others; if one stops, the
+                # watchdog says so and ends the process (the core may be stuck in a collective).
+                lockstep = driver_lockstep(self.engine, lambda reason: log.error("exiting: the engine failed: %s", reason))
+                core = EngineCore(self.engine, receive, self._dispatch, lockstep)
+            except BaseException as exc:  # raised again by the thread that started this one
+                failure.append(exc)
+                return
+            finally:
+                built.set()
+            core.run()
+
+        self._thread = threading.Thread(target=run, name="chitu-engine", daemon=True)
+        self._thread.start()
+        built.wait()
+        if failure:
+            raise failure[0]
+        self.tokenizer, self.max_model_len = self.engine.tokenizer, self.engine.max_model_len
 
     def _start_process(self, config: EngineConfig) -> None:
         from chitu_core.loader.gguf import resolve_model
