@@ -1,5 +1,6 @@
 """return_free_host_memory gives the C heap's freed pages back to the OS (the engine calls it while loading)."""
 
+import os
 import subprocess
 import sys
 
@@ -32,3 +33,30 @@ def test_freed_heap_pages_go_back_to_the_os():
     rounds = [tuple(map(int, line.split())) for line in out.split("\n") if line]
     kept_then_trimmed = [(kept, after) for kept, after in rounds if kept - after > 150]
     assert kept_then_trimmed, f"200 MB freed on the heap stayed resident after the call (MB before, after): {rounds}"
+
+
+def shmem_mb() -> float:
+    """Resident shared memory of this process (the CPU backend's KV cache is anonymous shared pages)."""
+    return int(open("/proc/self/status").read().split("RssShmem:")[1].split()[0]) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_cpu_kv_cache_is_resident_only_for_the_blocks_in_use_at_once(tmp_path):
+    # 12 requests one after the other, each with a prompt of its own: released blocks (and the prefixes
+    # they cache) are reused, so the 256 MB budget stays untouched beyond the first request's blocks.
+    from builders import build_model
+    from chitu_core import LLM, SamplingParams
+
+    build_model(tmp_path, "llama")
+    llm = LLM(tmp_path, device="cpu", dtype="float32", kv_cache_memory=256 << 20, load_progress=False)
+    bm, before = llm.engine.block_manager, shmem_mb()
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for r in range(12):
+        llm.generate([{"prompt_token_ids": [7 + r] * 60}], params)
+    per_request = -(-80 // bm.block_size)
+    assert bm.reuse_first and bm.ever_taken == per_request
+    layers = llm.engine.num_layers
+    block_mb = llm.engine.attention.bytes_per_block() * layers / 2**20
+    pages_mb = layers * 4 * os.sysconf("SC_PAGE_SIZE") / 2**20  # keys and values of a layer each straddle pages
+    grew = shmem_mb() - before  # 0.47 MB here when each request writes blocks never written before
+    assert grew <= per_request * block_mb + pages_mb, f"{grew:.2f} MB resident for {per_request} blocks of {block_mb:.3f} MB"

@@ -40,8 +40,31 @@ def test_blocks_are_allocated_lowest_first_and_freed_tail_first():
     assert a.block_table == [0, 1, 2, 5]
     bm.free(a)
     assert a.block_table == [] and bm.num_free == 6
-    assert list(bm.free_queue) == [6, 7, 5, 2, 1, 0]
+    assert list(bm.free_queue) == [5, 2, 1, 0] and bm.ever_taken == 6  # 6 and 7, never taken, go first
     assert [blk.ref_count for blk in bm.blocks] == [0, 0, 0, 1, 1, 0, 0, 0]
+    c = make_request(list(range(12))).seqs[0]
+    bm.allocate(c, 12)
+    assert c.block_table == [6, 7, 5]
+
+
+def test_reuse_first_takes_released_blocks_before_unwritten_ones():
+    # For a cache whose memory becomes resident as it is written: a's cached prefix is dropped rather
+    # than a block never written being touched; the default keeps the prefix and writes new blocks.
+    taken = {}
+    for reuse_first in (True, False):
+        bm = BlockManager(num_blocks=8, block_size=2, reuse_first=reuse_first)
+        a = make_request([1, 2, 3, 4]).seqs[0]
+        bm.allocate(a, 4)
+        a.num_computed_tokens = 4
+        bm.cache_full_blocks(a)
+        bm.free(a)
+        b = make_request([5, 6, 7]).seqs[0]
+        bm.allocate(b, 3)
+        c = make_request([8, 8]).seqs[0]
+        bm.allocate(c, 2)
+        taken[reuse_first] = (b.block_table, c.block_table, bm.ever_taken, sorted(bm.cached.values()), bm.num_free)
+    assert taken[True] == ([1, 0], [2], 3, [], 5)
+    assert taken[False] == ([2, 3], [4], 5, [0, 1], 5)
 
 
 def test_prefix_cache_hit_shares_blocks_and_counts_references():

@@ -88,6 +88,13 @@ class PagedKVBackend(ABC):
     ``set_kv_cache_dtype`` to refuse where it cannot."""
     num_kv_scales: ClassVar[int] = 2
     """Scales of one layer's fp8 cache: keys and values (latent attention: 1)."""
+    commits_on_write: ClassVar[bool] = False
+    """Contract 1.14: True where ``allocate_kv_cache``'s memory becomes resident only as blocks are first
+    written (anonymous zero pages, as host memory gives them). The block manager then reuses released
+    blocks, dropping the cached prefixes they hold oldest first, before it takes a block never written,
+    so that the cache's resident memory follows the most blocks in use at once rather than the whole
+    budget. Default False: the cache is resident from the start, and unwritten blocks go first (the
+    prefix cache keeps the most)."""
     variants: ClassVar[frozenset[str]] = frozenset()
     """Contract 1.6: the attention variants this backend implements, of ``VARIANTS`` (see the module).
     Read through ``supported_variants()``: a subclass that overrides ``forward`` inherits none."""

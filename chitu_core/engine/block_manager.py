@@ -8,6 +8,11 @@ blocks with no references wait in a free queue, least recently released first,
 and a block taken from there is evicted from the cache. A sequence's blocks are
 released tail first, so a prefix outlives its own continuations.
 
+Blocks never written are taken before released ones (the prefix cache keeps the
+most), or with ``reuse_first`` after them: where a cache's memory becomes
+resident only as it is written (``PagedKVBackend.commits_on_write``), that keeps
+resident memory to the most blocks in use at once instead of the whole budget.
+
 Counts of prefix-cache lookups are kept in tokens: ``prefix_queries`` tokens
 looked up, ``prefix_hits`` of them found.
 """
@@ -26,18 +31,19 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, reuse_first: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching, self.reuse_first = enable_prefix_caching, reuse_first
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict()  # released blocks, least recently first
+        self.ever_taken = 0  # blocks [0, ever_taken) have been taken; the rest never were
         self.cached: dict[int, int] = {}  # hash -> block id
         self.prefix_queries = self.prefix_hits = 0
 
     @property
     def num_free(self) -> int:
         """Blocks with no reference (some may still hold cached prefixes, evictable on demand)."""
-        return len(self.free_queue)
+        return len(self.free_queue) + self.num_blocks - self.ever_taken
 
     @property
     def usage(self) -> float:
@@ -96,7 +102,9 @@ class BlockManager:
         if need > self.num_free:
             raise RuntimeError(f"sequence {seq.seq_id} needs {need} KV blocks, {self.num_free} are free")
         for _ in range(need):
-            block_id = next(iter(self.free_queue))
+            fresh = self.ever_taken < self.num_blocks and not (self.reuse_first and self.free_queue)
+            block_id = self.ever_taken if fresh else next(iter(self.free_queue))
+            self.ever_taken += fresh
             self._take(block_id)
             block = self.blocks[block_id]
             if block.hash is not None:  # evict the prefix this block held
@@ -129,7 +137,7 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_queue[block_id]
+            self.free_queue.pop(block_id, None)  # absent: never taken before
         block.ref_count += 1
 
     def reset_prefix_cache(self) -> None:

@@ -143,7 +143,8 @@ class LLMEngine:
         kv_caches = [self.attention.allocate_kv_cache(num_blocks) if i in local else torch.empty(0, device=self.device)
                      for i in range(geometry.num_layers)]
         self.attention.warmup()
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching,
+                                          reuse_first=type(self.attention).commits_on_write)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.tokenizer = model_dir.tokenizer()
         self.eos_token_ids = self._eos_ids(model_dir, hf_config)

@@ -62,6 +62,7 @@ class CpuSdpaAttention(AttentionBackend):
     name = "sdpa"
     block_sizes = (16, 1, 8, 32, 64, 128)
     supports_fp8_kv_cache = True
+    commits_on_write = True  # contract 1.14: allocate_kv_cache's pages become resident as they are written
     variants = VARIANTS  # contract 1.6: a window masks more; a capped layer takes the reference's math
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
