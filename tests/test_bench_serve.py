@@ -3,16 +3,19 @@ subprocess as a user runs it: exact request and token counts, numbers that agree
 other, the plot, and the errors a user meets (wrong model, no server, missing API key)."""
 
 import json
+import os
 import socket
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from chitu_core.bench.serve import concurrency_list, percentile, token_range
+from chitu_core.bench.server_memory import status_mb
 from chitu_core.server.app import build_app
 from serving import LiveServer, chat_engine
 
@@ -108,6 +111,35 @@ def test_out_of_vocabulary_prompt_ids_say_which_flag_helps(server):
     assert done.returncode == 1
     assert "HTTP 400: " in done.stderr and "are outside the vocabulary [0, 512)" in done.stderr
     assert "drawn from [1000, 20000): give --vocab-size for a smaller vocabulary" in done.stderr
+
+
+def test_server_memory_of_a_process_tree(server, tmp_path):
+    # The server here runs in this test's process; the bench itself is a process below it.
+    me = os.getpid()
+    args = ("--concurrency", "2", "--input-len", str(I), "--output-len", str(O), "--num-prompts", "4", "--vocab-size", "512",
+            "--server-pid", str(me))
+    done = bench(server.url, *args, "--json")
+    assert done.returncode == 0, done.stderr
+    mem = json.loads(done.stdout)["server_memory"]
+    assert (mem["pid"], mem["interval_s"]) == (me, 0.1) and mem["processes"] >= 2
+    mine = mem["rss_mb"][str(me)]
+    assert 0 < mine["RssAnon"] <= mine["VmRSS"] <= mine["VmHWM"] <= round(status_mb(me)["VmHWM"], 1)
+    assert mine["VmRSS"] <= mem["sampled_peak_mb"] <= mem["peak_mb"]
+    text = bench(server.url, *args).stdout
+    line = next(x for x in text.splitlines() if x.startswith("server memory"))
+    assert line.startswith(f"server memory (pid {me} and the processes below it): peak RSS ")
+    (tmp_path / "serve-thread.json").write_text(done.stdout)  # the page: the table, then the memory line
+    page = subprocess.run([sys.executable, "-m", "chitu_core.bench", "report", str(tmp_path)], capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    row = next(i for i, x in enumerate(page) if x.startswith("| thread | 2 | 1 | 4 of 8/6 |"))
+    assert page[row + 1:row + 3] == ["", (
+        f"serve-thread: server memory (pid {me} and the processes below it): peak RSS {mem['peak_mb']:.0f} MB (the sum "
+        f"of each one's VmHWM, loading included), {mem['sampled_peak_mb']:.0f} MB sampled every 0.1 s during the run, "
+        f"{sum(p['VmRSS'] for p in mem['rss_mb'].values()):.0f} MB at the end.")]
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    done = bench(server.url, "--concurrency", "1", "--server-pid", str(gone))
+    assert done.returncode == 1 and done.stderr == (f"error: --server-pid {gone}: no such process here (/proc/{gone}/status "
+                                                    "cannot be read); give the pid of the server on this machine\n")
 
 
 def test_unreachable_server_is_a_clear_error():

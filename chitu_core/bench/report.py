@@ -2,7 +2,7 @@
 
 DIR holds what the runs wrote (``plugins/nvidia/scripts/gpu_bench.sh`` writes them so):
 ``*.json`` from ``bench offline --json`` (recognised by their "floor"), ``serve-<placement>.json``
-from ``bench serve --json``, ``gpu_check.json`` (model against transformers, decode profile), and
+from ``bench serve --json`` (with ``--server-pid``, the server's peak memory under the table), ``gpu_check.json`` (model against transformers, decode profile), and
 ``conformance.md`` (and ``conformance-<name>.md``, other backends' or parts') from ``python -m
 chitu_core.conformance --format md``, included as they are, ``emulation.json`` (emulation_check.py), and
 ``MADE_BY``, one line naming the script that made them (default: the GPU scripts), and ``agree.txt``
@@ -19,6 +19,7 @@ from typing import Any
 from chitu_core.bench.report_backends import emulation_table, emulation_tokens_lines
 from chitu_core.bench.report_kernels import attention_sweep_lines, breakdown_lines
 from chitu_core.bench.report_scaleout import allreduce_lines, cpu_experts_lines, scaling_table, tokens_line
+from chitu_core.bench.server_memory import render as render_memory
 
 
 def _fmt(x, spec: str = ".1f") -> str:
@@ -219,6 +220,8 @@ def render(directory: Path) -> str:
     if serves:
         total = next((r for n, r in offline if n.endswith("-total")), None)
         lines += ["## Serving (`bench serve`) against offline", "", *serve_table(serves, total), ""]
+        lines += [f"{name}: {render_memory(r['server_memory'])}." for name, r in serves if r.get("server_memory")]
+        lines += [""] if any(r.get("server_memory") for _, r in serves) else []
     if check and check.get("model_rows"):
         lines += ["## Llama-3.1-8B config, random weights, bfloat16, against transformers", "",
                   "Ours in bfloat16 against transformers on the same weights in bfloat16 and in float32 (its RoPE "

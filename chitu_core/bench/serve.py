@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chitu_core.bench.server_memory import ServerMemory, ServerMemoryError
+from chitu_core.bench.server_memory import render as render_memory
+
 TOKEN_RANGE = (1000, 20000)
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
@@ -259,6 +262,11 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     client = Client(args, max(args.concurrency))
     rng = random.Random(args.seed)
     try:
+        memory = ServerMemory(args.server_pid) if args.server_pid is not None else None
+    except ServerMemoryError as exc:
+        await client.close()
+        raise BenchError(str(exc)) from None
+    try:
         served = await client.models()
         card = next((m for m in served if m.get("id") == args.model), {})
         if client.chat:
@@ -279,6 +287,7 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         levels = [await run_level(client, make(N), c, O, min(args.client_procs, c)) for c in args.concurrency]
     finally:
         await client.close()
+        server_memory = memory.stop() if memory is not None else None
     return {
         "base_url": client.base,
         "endpoint": client.url.removeprefix(client.base),
@@ -289,6 +298,7 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         "prompt": prompt_kind,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "results": levels,
+        **({"server_memory": server_memory} if server_memory else {}),
     }
 
 
@@ -314,6 +324,8 @@ def render(r: dict[str, Any]) -> str:
     sources = {x["output_tokens_from"] for x in r["results"]} - {None}
     lines.append(f"in tok: mean input tokens per request (usage); output tokens counted from: "
                  f"{', '.join(sorted(sources)) or '-'} (usage: the server's usage chunk; chunks: one per content chunk)")
+    if r.get("server_memory"):
+        lines.append(render_memory(r["server_memory"]))
     for x in r["results"]:
         for e in x["errors"]:
             lines.append(f"error at concurrency {x['concurrency']}: {e}")
@@ -377,6 +389,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client-procs", type=int, default=1,
                         help="client processes sharing each level's requests (one Python client parses a few "
                              "thousand stream events a second: use several against a fast server)")
+    parser.add_argument("--server-pid", type=int, default=None, metavar="PID",
+                        help="a server on this machine (Linux): report its peak resident memory, and that of the "
+                             "processes below it, over the run")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="draw throughput and latency")
     parser.set_defaults(run=main)
