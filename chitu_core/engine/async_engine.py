@@ -62,8 +62,10 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, process: bool = False):
-        """Start the engine core: in a thread (``engine`` may be given, already built), or with
-        ``process`` in a child process, which this call waits for until the model is loaded."""
+        """Start the engine core: in a thread, which builds the engine, or with ``process`` in a child
+        process; either way this call waits until the model is loaded. ``engine``: one already built (by
+        this thread: on a backend computing on the host's cores, its steps on the core's thread are then
+        slower, see ``_start_thread``)."""
         self._streams: dict[str, _Stream] = {}
         self._waiting: dict[object, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # adds, idle waits
         self._ids = itertools.count()
