@@ -168,14 +168,18 @@ def one_process_text(model_path: Path) -> str:
         return chat(live.url, model_path.stem)
 
 
-def test_tp2_serves_as_one_process_does_and_ends_when_rank_1_dies(model_path, tmp_path):
+@pytest.mark.parametrize("placement", ["--engine-process", "--no-engine-process"])
+def test_tp2_serves_as_one_process_does_and_ends_when_rank_1_dies(model_path, tmp_path, placement):
     """(a) rank 0 serves what a one-process server would; (c) SIGKILL of rank 1 ends the server
-    within 30 s, exit status non-zero, with one ERROR line naming rank 1."""
+    within 30 s, exit status non-zero, with one ERROR line naming rank 1: the server's where the engine
+    core runs in a process of its own (the default on devices), the core's where it runs in a thread
+    (the CPU's default), since rank 0's watchdog then ends the process itself."""
     expected = one_process_text(model_path)
     port = free_port()
+    logger = "chitu_core.serve" if placement == "--engine-process" else "chitu_core.engine.async_engine"
     with launch(tmp_path) as runs:
         proc, log = runs.start("--nproc-per-node", "2", "--master-port", str(free_port()), *SERVE,
-                               "--model", str(model_path), "--port", str(port))
+                               "--model", str(model_path), "--port", str(port), placement)
         wait_healthy(port, [(proc, log)])
         assert chat(f"http://127.0.0.1:{port}", model_path.stem) == expected
         assert "INFO chitu_core.engine.lockstep[rank 1]: rank 1 of 2 follows the driver" in log.read_text()
@@ -184,7 +188,7 @@ def test_tp2_serves_as_one_process_does_and_ends_when_rank_1_dies(model_path, tm
         start = time.monotonic()
         assert proc.wait(timeout=30) != 0
         assert time.monotonic() - start < 30
-        assert error_lines(log) == [(f"ERROR chitu_core.serve: exiting: the engine failed: rank 1, pid {rank1} on "
+        assert error_lines(log) == [(f"ERROR {logger}: exiting: the engine failed: rank 1, pid {rank1} on "
                                      f"{socket.gethostname()}, stopped: its connection closed")]
         assert "exitcode  : 1 " in log.read_text()  # rank 0's own status, in torchrun's summary
 
