@@ -41,14 +41,17 @@ def shmem_mb() -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_the_cpu_kv_cache_is_resident_only_for_the_blocks_in_use_at_once(tmp_path):
+@pytest.mark.parametrize("attention", ["paged", "latent"])
+def test_the_cpu_kv_cache_is_resident_only_for_the_blocks_in_use_at_once(tmp_path, attention):
     # 12 requests one after the other, each with a prompt of its own: released blocks (and the prefixes
     # they cache) are reused, so the 256 MB budget stays untouched beyond the first request's blocks.
     from builders import build_model
     from chitu_core import LLM, SamplingParams
+    from test_deepseek import build_deepseek
 
-    build_model(tmp_path, "llama")
-    llm = LLM(tmp_path, device="cpu", dtype="float32", kv_cache_memory=256 << 20, load_progress=False)
+    build_model(tmp_path, "llama") if attention == "paged" else build_deepseek(tmp_path, "v2")
+    rss_before_load = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+    llm = LLM(tmp_path, device="cpu", dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=2048, load_progress=False)
     bm, before = llm.engine.block_manager, shmem_mb()
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for r in range(12):
@@ -60,3 +63,6 @@ def test_the_cpu_kv_cache_is_resident_only_for_the_blocks_in_use_at_once(tmp_pat
     pages_mb = layers * 4 * os.sysconf("SC_PAGE_SIZE") / 2**20  # keys and values of a layer each straddle pages
     grew = shmem_mb() - before  # 0.47 MB here when each request writes blocks never written before
     assert grew <= per_request * block_mb + pages_mb, f"{grew:.2f} MB resident for {per_request} blocks of {block_mb:.3f} MB"
+    loaded = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024 - rss_before_load
+    cache_mb = bm.num_blocks * block_mb  # the whole budget: 2048 sequences could use it
+    assert cache_mb > 200 and loaded < cache_mb / 2, f"{loaded:.0f} MB more resident with a {cache_mb:.0f} MB cache"

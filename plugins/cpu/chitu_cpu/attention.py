@@ -58,6 +58,14 @@ class CpuStepState:
         return self.windows[window]
 
 
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A cache tensor in anonymous zero pages (an mmap): zero-filled as the contract asks, but host memory
+    is committed only as blocks are first written, so the budget costs resident memory only as sequences
+    fill it (``commits_on_write``, contract 1.14)."""
+    pages = mmap.mmap(-1, max(1, torch.Size(shape).numel() * dtype.itemsize))
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # keeps `pages` alive
+
+
 class CpuSdpaAttention(AttentionBackend):
     name = "sdpa"
     block_sizes = (16, 1, 8, 32, 64, 128)
@@ -69,11 +77,7 @@ class CpuSdpaAttention(AttentionBackend):
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """Anonymous zero pages (an mmap): zero-filled as the contract asks, but host memory is committed
-        only as blocks are first written, so the budget costs resident memory only as sequences fill it."""
-        shape = self.kv_cache_shape(num_blocks)
-        pages = mmap.mmap(-1, max(1, torch.Size(shape).numel() * self.kv_cache_dtype.itemsize))
-        return torch.frombuffer(pages, dtype=torch.uint8).view(self.kv_cache_dtype).view(shape)  # keeps `pages` alive
+        return zero_pages(self.kv_cache_shape(num_blocks), self.kv_cache_dtype)
 
     def prepare(self, meta: AttentionMetadata) -> CpuStepState:
         return CpuStepState.of(meta)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from chitu_core.attention.contract import AttentionMetadata
 from chitu_core.attention.mla import MLAAttentionBackend, gather_latents, write_latent
-from chitu_cpu.attention import CpuStepState
+from chitu_cpu.attention import CpuStepState, zero_pages
 
 
 class CpuSdpaMLAAttention(MLAAttentionBackend):
@@ -30,9 +30,13 @@ class CpuSdpaMLAAttention(MLAAttentionBackend):
     name = "sdpa-mla"
     block_sizes = (16, 1, 8, 32, 64, 128)
     supports_fp8_kv_cache = True
+    commits_on_write = True  # contract 1.14: anonymous zero pages, as the CPU's sdpa keeps its cache
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.latent_dim)
+
+    def allocate_kv_cache(self, num_blocks: int):
+        return zero_pages(self.kv_cache_shape(num_blocks), self.kv_cache_dtype)
 
     def prepare(self, meta: AttentionMetadata) -> CpuStepState:
         return CpuStepState.of(meta)
