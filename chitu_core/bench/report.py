@@ -220,8 +220,8 @@ def render(directory: Path) -> str:
     if serves:
         total = next((r for n, r in offline if n.endswith("-total")), None)
         lines += ["## Serving (`bench serve`) against offline", "", *serve_table(serves, total), ""]
-        lines += [f"{name}: {render_memory(r['server_memory'])}." for name, r in serves if r.get("server_memory")]
-        lines += [""] if any(r.get("server_memory") for _, r in serves) else []
+        memory = [f"{name}: {render_memory(r['server_memory'])}." for name, r in serves if r.get("server_memory")]
+        lines += [*memory, ""] if memory else []
     if check and check.get("model_rows"):
         lines += ["## Llama-3.1-8B config, random weights, bfloat16, against transformers", "",
                   "Ours in bfloat16 against transformers on the same weights in bfloat16 and in float32 (its RoPE "

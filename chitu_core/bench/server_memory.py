@@ -54,19 +54,17 @@ class ServerMemory:
         self.pid, self.interval_s = pid, interval_s
         self.sampled_peak = 0.0
         self.seen: dict[int, dict[str, float]] = {}  # the last status of every process seen
+        self.alive: dict[int, dict[str, float]] = {}  # the processes of the last sample
         self._done = threading.Event()
         self._sample()
         self._thread = threading.Thread(target=self._run, name="server-memory", daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
-        total = 0.0
-        for pid in process_tree(self.pid):
-            status = status_mb(pid)
-            if status and "VmRSS" in status:  # a zombie has no memory lines
-                self.seen[pid] = status
-                total += status["VmRSS"]
-        self.sampled_peak = max(self.sampled_peak, total)
+        statuses = {pid: status_mb(pid) for pid in process_tree(self.pid)}
+        self.alive = {pid: s for pid, s in statuses.items() if s and "VmRSS" in s}  # a zombie has no memory lines
+        self.seen.update(self.alive)
+        self.sampled_peak = max(self.sampled_peak, sum(s["VmRSS"] for s in self.alive.values()))
 
     def _run(self) -> None:
         while not self._done.wait(self.interval_s):
@@ -76,14 +74,13 @@ class ServerMemory:
         self._done.set()
         self._thread.join()
         self._sample()
-        alive = {pid: s for pid, s in self.seen.items() if status_mb(pid) is not None}
         return {
             "pid": self.pid,
             "processes": len(self.seen),
             "peak_mb": round(sum(s["VmHWM"] for s in self.seen.values()), 1),
             "sampled_peak_mb": round(self.sampled_peak, 1),
             "interval_s": self.interval_s,
-            "rss_mb": {str(pid): {k: round(v, 1) for k, v in s.items()} for pid, s in alive.items()},
+            "rss_mb": {str(pid): {k: round(v, 1) for k, v in s.items()} for pid, s in self.alive.items()},
         }
 
 
