@@ -135,18 +135,21 @@ def test_decode_steps_extend_the_same_sequences(backend):
             torch.testing.assert_close(out[b : b + 1].double(), want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["decode_kernel", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).removeprefix("torch."))
-def test_a_compiled_decode_step_reads_the_cache_in_place(dtype):
-    """Under torch.compile the CPU attention's decode steps take ``decode_attention`` (the graph reads
-    the cache through the block tables, then an opaque op writes the new keys and values): each token
-    attends over everything written before it, windows included, and the cache ends as the eager path
-    leaves it."""
+def test_a_compiled_decode_step_reads_the_cache_in_place(dtype, kernel):
+    """Under torch.compile the CPU attention's decode steps take the C++ kernel (``chitu_cpu.decode_kernel``)
+    as an opaque op, or where it is not built ``decode_attention`` (the graph reads the cache through the
+    block tables, then an opaque op writes the new keys and values): each token attends over everything
+    written before it, windows included, and the cache ends as the eager path leaves it."""
     hq, hk, d, block_size = 6, 2, 64, 16
     attn = CpuSdpaAttention(hq, hk, d, block_size, dtype, torch.device("cpu"))
     scale = 1 / math.sqrt(d)
     lens = [15, 1, 40, 16]
     tables, num_blocks = allocate_blocks([n + 4 for n in lens], block_size, spare=2)
     cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+    assert attn.decode_kernel  # built at allocation: this machine has inductor's C++ compiler
+    attn.decode_kernel = kernel
     _, parts = run_step(attn, cache, tables, [0] * 4, lens, scale)
     ks, vs = [p[1] for p in parts], [p[2] for p in parts]
     eager_cache = cache.clone()
@@ -166,3 +169,39 @@ def test_a_compiled_decode_step_reads_the_cache_in_place(dtype):
             torch.testing.assert_close(out[b : b + 1].double(), want, **TOL[dtype], msg=lambda m: f"step {step}, {b}: {m}")
         torch.testing.assert_close(out, eager, **TOL[dtype])
         assert torch.equal(cache, eager_cache)
+
+
+@pytest.mark.parametrize("hq,hk,d,block_size,dtype", [(9, 3, 64, 16, torch.float32), (8, 1, 128, 1, torch.float32),
+                                                      (4, 4, 80, 16, torch.bfloat16)],
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_the_decode_kernel_over_contexts_of_several_chunks(hq, hk, d, block_size, dtype):
+    """``chitu_cpu.decode_kernel`` cuts contexts into chunks (at most 512 positions, about four a thread)
+    whose softmax partials it combines: lengths at and around the cuts, a batch of one (the most
+    chunks) and of several, a window that starts inside a chunk, the new token's key taken from its
+    row rather than from the cache (which still holds the sentinel there)."""
+    attn = CpuSdpaAttention(hq, hk, d, block_size, dtype, torch.device("cpu"))
+    scale = 1 / math.sqrt(d)
+    for lens, window in (([1100], None), ([1, 16, 17, 513], None), ([700, 40], 300)):
+        tables, num_blocks = allocate_blocks(lens, block_size, spare=2)
+        cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+        contexts = [n - 1 for n in lens]
+        keys = [torch.randn(n, hk, d, dtype=torch.float64).to(dtype) for n in lens]
+        values = [torch.randn(n, hk, d, dtype=torch.float64).to(dtype) for n in lens]
+        for b, n in enumerate(lens):  # the contexts, written as a prefill would
+            pos = torch.arange(n - 1)
+            blocks, offsets = tables[b].long()[pos // block_size], pos % block_size
+            cache[0, blocks, offsets], cache[1, blocks, offsets] = keys[b][:-1], values[b][:-1]
+        meta = metadata(tables, contexts, [1] * len(lens), block_size)
+        meta.backend_state = attn.prepare(meta)
+        assert type(meta.backend_state).__name__ == "DecodePlan"
+        q = torch.randn(len(lens), hq, d, dtype=torch.float64).to(dtype)
+        k = torch.stack([x[-1] for x in keys])
+        v = torch.stack([x[-1] for x in values])
+        out = attn.forward(q, k, v, cache, meta, scale, window=window)
+        for b, n in enumerate(lens):
+            seen = slice(max(0, n - window), None) if window else slice(None)
+            want = dense_attention(q[b : b + 1], keys[b][seen], values[b][seen], n - 1 - (seen.start or 0), scale)
+            torch.testing.assert_close(out[b : b + 1].double(), want, **TOL[dtype],
+                                       msg=lambda m: f"lens {lens}, sequence {b}: {m}")
+            slot = int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+            assert torch.equal(cache.view(2, -1, hk, d)[:, slot], torch.stack((k[b], v[b])))

@@ -4,9 +4,12 @@ Layout: [2, num_blocks, block_size, num_kv_heads, head_dim], in anonymous zero p
 resident as they are written. Per step, ``prepare``
 builds the packed<->padded index, the causal mask, the gather rows and the slots once; each layer then
 scatters its new keys/values into the cache, gathers every sequence's keys and
-values through its block table, and runs one SDPA call for the whole batch. A decode step inside a
-compiled forward (``CpuBackend.compile_forward``) takes ``decode_attention`` instead: the graph reads
-the cache through the block tables itself, and the write follows the read.
+values through its block table, and runs one SDPA call for the whole batch. A decode step (one new
+token a sequence) of a float32 or bfloat16 cache takes one C++ kernel a layer instead
+(``chitu_cpu.decode_kernel``, built at ``allocate_kv_cache``): the cache read where it lies, the new
+keys and values stored after, eager or inside a compiled forward (as an opaque op). Where that kernel
+cannot be built, a compiled forward's decode step takes ``decode_attention``: the graph reads the
+cache through the block tables itself, and the write follows the read.
 
 An fp8 cache (contract 1.2) is written as the reference writes it; the gathered
 keys and values are upcast to the model dtype (exact for e4m3) and the scales
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 
 from chitu_core.attention.contract import VARIANTS, AttentionBackend, AttentionMetadata
 from chitu_core.attention.reference import causal_mask, packed_to_padded_index, paged_attention, write_kv
+from chitu_cpu.decode_kernel import DecodePlan, fits, paged_decode
 
 
 @dataclass
@@ -71,21 +75,30 @@ class CpuSdpaAttention(AttentionBackend):
     block_sizes = (16, 1, 8, 32, 64, 128)
     supports_fp8_kv_cache = True
     commits_on_write = True  # contract 1.14: allocate_kv_cache's pages become resident as they are written
+    decode_kernel = False  # whether decode steps take chitu_cpu.decode_kernel (set by allocate_kv_cache)
     variants = VARIANTS  # contract 1.6: a window masks more; a capped layer takes the reference's math
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        self.decode_kernel = fits(self.kv_cache_dtype, self.head_dim)  # built here, at load
         return zero_pages(self.kv_cache_shape(num_blocks), self.kv_cache_dtype)
 
-    def prepare(self, meta: AttentionMetadata) -> CpuStepState:
+    def prepare(self, meta: AttentionMetadata) -> CpuStepState | DecodePlan:
+        if self.decode_kernel and meta.max_query_len == 1 and bool((meta.slot_mapping >= 0).all()):
+            return DecodePlan.of(meta, self.num_heads, self.num_kv_heads, self.head_dim)
         return CpuStepState.of(meta)
 
     def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None, softcap=None, window=None):
         if softcap is not None:  # SDPA has no logit cap
             return paged_attention(q, k, v, kv_cache, meta, scale, kv_scale, softcap, window)
-        state: CpuStepState = meta.backend_state
+        state = meta.backend_state
+        if isinstance(state, DecodePlan):  # (never for an fp8 cache: fits() takes float32 and bfloat16)
+            # one kernel reads the cache where it lies and stores the new keys and values (chitu_cpu.decode_kernel)
+            call = paged_decode_op if torch.compiler.is_compiling() else paged_decode
+            return call(q, k, v, kv_cache, meta.block_tables, meta.seq_lens, state.slots, state.plan, state.work, scale,
+                        window or 0)
         mask = state.mask if window is None else state.windowed(meta, window)
         if torch.compiler.is_compiling() and mask.shape[2] == 1 and kv_scale is None and state.keep is None:
             # a compiled decode step: the graph reads the cache itself, then an opaque op writes the new
@@ -184,3 +197,8 @@ _LIBRARY.define("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots,
 _LIBRARY.impl("write_kv", write_new_kv, "CPU")
 _LIBRARY.impl("write_kv", lambda *_: None, "Meta")
 write_kv_op = torch.ops.chitu_cpu.write_kv
+_LIBRARY.define("paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor block_tables, Tensor seq_lens, "
+                "Tensor slots, Tensor plan, Tensor(b!) work, float scale, int window) -> Tensor")
+_LIBRARY.impl("paged_decode", paged_decode, "CPU")
+_LIBRARY.impl("paged_decode", lambda q, *_: torch.empty_like(q), "Meta")
+paged_decode_op = torch.ops.chitu_cpu.paged_decode
