@@ -6,7 +6,7 @@ builds the packed<->padded index, the causal mask, the gather rows and the slots
 scatters its new keys/values into the cache, gathers every sequence's keys and
 values through its block table, and runs one SDPA call for the whole batch. A decode step (one new
 token a sequence) of a float32 or bfloat16 cache takes one C++ kernel a layer instead
-(``chitu_cpu.decode_kernel``, built at ``allocate_kv_cache``): the cache read where it lies, the new
+(``chitu_cpu.decode_kernel``, compiled at ``allocate_kv_cache``): the cache read where it lies, the new
 keys and values stored after, eager or inside a compiled forward (as an opaque op). Where that kernel
 cannot be built, a compiled forward's decode step takes ``decode_attention``: the graph reads the
 cache through the block tables itself, and the write follows the read.

@@ -7,16 +7,14 @@ against its G = Hq / Hk query heads, then each value row once for them (softmax 
 maximum, sum and weighted values); a second loop over (sequence, query head) combines the chunks.
 Chunks are cut so that there are about four units a thread (at batch 1 a thread would else hold the
 whole context), at most 512 positions each, and the rows a few positions ahead are prefetched (a block
-boundary is a jump). Lanes are explicit (GCC/Clang vector extensions: inductor's flags leave loop
-vectorisation off), the exponential a polynomial. Measured on the 2-core development machine, SmolLM2's
+boundary is a jump). Lanes are explicit (GCC/Clang vector extensions), the exponential a polynomial. Measured on the 2-core development machine, SmolLM2's
 layer (9 query heads, 3 kv heads of 64) at 512 positions: 39-42 us against 78-96 us for the compiled
 ``decode_attention``; at 1,024, 70 against 174-201 (scratch bench, 30 layers in one compiled graph).
 float32 arithmetic for float32 and bfloat16 caches; a window hides positions before seq_len - window.
 
-The kernel is compiled once per dtype by inductor's C++ toolchain (the one ``--compile-forward`` uses, with
-its flags and its OpenMP), cached on disk by inductor, and called through a Python binding that takes the
-tensors' data pointers. ``decode_kernel(dtype)`` is None where it cannot be built (no compiler); the
-attention then takes its portable path.
+The kernel is compiled once per dtype and machine (``chitu_cpu.native.build``: the C++ compiler, OpenMP,
+kept on disk) and called with the tensors' data pointers. ``decode_kernel(dtype)`` is None where it cannot
+be built (no compiler); the attention then takes its portable path.
 """
 
 import functools
@@ -26,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from chitu_core.attention.contract import AttentionMetadata
+from chitu_cpu.native import build
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ _SOURCE = r"""
 
 typedef SCALAR T;
 // 16 lanes in GCC/Clang vector extensions: AVX-512 registers where the machine has them, else pairs or
-// quads of narrower ones (inductor's flags leave loop auto-vectorisation off, so the lanes are explicit)
+// quads of narrower ones
 typedef float V __attribute__((vector_size(64)));
 typedef int32_t VI __attribute__((vector_size(64)));
 typedef uint32_t VU __attribute__((vector_size(64)));
@@ -210,14 +209,10 @@ def decode_kernel(dtype: torch.dtype):
     if dtype not in _SCALARS:
         return None
     try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
         source = _SOURCE.replace("SCALAR", _SCALARS[dtype]).replace("MAX_HEAD_DIM", str(MAX_HEAD_DIM))
-        return CppPythonBindingsCodeCache.load_pybinding(_argtypes(_SCALARS[dtype]), source)
-    except Exception as e:  # no C++ compiler, or an inductor without this entry point
-        errors = [line for line in str(e).splitlines() if "error" in line] or [str(e)]
-        log.warning("the CPU decode-attention kernel could not be built (%s); decode steps take the portable path",
-                    " | ".join(errors[:3]))
+        return build(f"chitu_decode_{_SCALARS[dtype]}", source, _argtypes(_SCALARS[dtype]))
+    except (RuntimeError, OSError, ImportError) as e:  # no compiler, or it failed
+        log.warning("the CPU decode-attention kernel could not be built (%s); decode steps take the portable path", e)
         return None
 
 
@@ -258,7 +253,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
     Returns [B, Hq, D] and stores k and v at ``slots`` (a negative slot: not stored)."""
     b, hq, d = q.shape
     out = torch.empty_like(q)
-    decode_kernel(kv_cache.dtype)(q, k, v, kv_cache, block_tables, seq_lens, slots, out, work, b, hq, kv_cache.shape[3],
-                                  d, kv_cache.shape[2], block_tables.stride(0), kv_cache.numel() // 2, window, plan,
+    decode_kernel(kv_cache.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
+                                  seq_lens.data_ptr(), slots.data_ptr(), out.data_ptr(), work.data_ptr(), b, hq, kv_cache.shape[3],
+                                  d, kv_cache.shape[2], block_tables.stride(0), kv_cache.numel() // 2, window, plan.data_ptr(),
                                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale)
     return out
