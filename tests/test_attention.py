@@ -205,3 +205,25 @@ def test_the_decode_kernel_over_contexts_of_several_chunks(hq, hk, d, block_size
                                        msg=lambda m: f"lens {lens}, sequence {b}: {m}")
             slot = int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
             assert torch.equal(cache.view(2, -1, hk, d)[:, slot], torch.stack((k[b], v[b])))
+
+
+def test_without_a_compiler_decode_steps_take_the_portable_path(monkeypatch, caplog):
+    """No C++ compiler: one warning that names it, then decode steps through SDPA, still exact."""
+    from chitu_cpu import decode_kernel
+
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    decode_kernel.decode_kernel.cache_clear()
+    try:
+        attn = CpuSdpaAttention(4, 2, 64, 16, torch.float32, torch.device("cpu"))
+        with caplog.at_level("WARNING"):
+            cache = attn.allocate_kv_cache(8).fill_(SENTINEL)
+        assert not attn.decode_kernel and "no-such-compiler" in caplog.text
+        tables, _ = allocate_blocks([5], 16, spare=0)
+        _, [(_, k0, v0)] = run_step(attn, cache, tables, [0], [4], 1 / 8)
+        meta = metadata(tables, [4], [1], 16)
+        assert type(attn.prepare(meta)).__name__ == "CpuStepState"
+        out, [(q, k, v)] = run_step(attn, cache, tables, [4], [1], 1 / 8)
+        want = dense_attention(q, torch.cat((k0, k)), torch.cat((v0, v)), 4, 1 / 8)
+        torch.testing.assert_close(out.double(), want, **TOL[torch.float32])
+    finally:
+        decode_kernel.decode_kernel.cache_clear()
