@@ -37,6 +37,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <omp.h>
 
 typedef SCALAR T;
 // 16 lanes in GCC/Clang vector extensions: AVX-512 registers where the machine has them, else pairs or
@@ -95,19 +96,19 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* cache, const int32
                        const int64_t window, const int64_t* plan, const int64_t sq0, const int64_t sq1,
                        const int64_t sk0, const int64_t sk1, const int64_t sv0, const int64_t sv1, const float scale) {
     const int64_t G = Hq / Hk, row = Hk * D, Dv = D / W;  // D a multiple of W (``fits`` checks)
-    const int64_t chunk = plan[0], nchunks = plan[1];
-    const int64_t per_unit = 2 * Hq * D + Hq * chunk + 2 * Hq;
+    const int64_t chunk = plan[0], nchunks = plan[1], threads = plan[2];
+    const int64_t per_unit = Hq * D + 2 * Hq;  // a unit's partials, kept for the combination
     const float neg = -std::numeric_limits<float>::infinity();
-    #pragma omp parallel
+    #pragma omp parallel num_threads(threads)
     {
+    float* qf = work + B * nchunks * per_unit + omp_get_thread_num() * (Hq * D + Hq * chunk);  // [Hq, D], scaled
+    float* sc = qf + Hq * D;  // [Hq, chunk]: scores, then their exponentials
     #pragma omp for schedule(static)
     for (int64_t u = 0; u < B * nchunks; ++u) {
         const int64_t b = u / nchunks, c = u % nchunks;
-        float* qf = work + u * per_unit;  // [Hq, D], scaled
-        float* sc = qf + Hq * D;           // [Hq, chunk]: scores, then their exponentials
-        float* m = sc + Hq * chunk;        // [Hq]: the chunk's largest score (-inf where it is empty)
-        float* l = m + Hq;                 // [Hq]: the sum of the exponentials
-        float* acc = l + Hq;               // [Hq, D]: the exponentials' weighted values
+        float* m = work + u * per_unit;  // [Hq]: the chunk's largest score (-inf where it is empty)
+        float* l = m + Hq;               // [Hq]: the sum of the exponentials
+        float* acc = l + Hq;             // [Hq, D]: the exponentials' weighted values
         for (int64_t i = 0; i < Hq; ++i) { m[i] = neg; l[i] = 0.f; }
         std::fill(acc, acc + Hq * D, 0.f);
         const int64_t L = seq_lens[b];
@@ -166,7 +167,7 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* cache, const int32
         const int64_t b = r / Hq, g = r % Hq;
         float o[MAX_HEAD_DIM];
         std::fill(o, o + D, 0.f);
-        const float* first = work + b * nchunks * per_unit + Hq * D + Hq * chunk;  // chunk 0's m
+        const float* first = work + b * nchunks * per_unit;  // chunk 0's m
         float top = neg, den = 0.f;
         for (int64_t c = 0; c < nchunks; ++c) top = std::max(top, first[c * per_unit + g]);
         if (top != neg) {
@@ -228,15 +229,15 @@ def chunking(max_len: int, units: int, threads: int) -> tuple[int, int]:
 class DecodePlan:
     """A decode step's split for ``paged_decode``, made once a step and shared by its layers."""
     slots: torch.Tensor  # int64 [B]: where each sequence's new key and value go
-    plan: torch.Tensor  # int64 [2]: positions a chunk, chunks a (sequence, kv head)
-    work: torch.Tensor  # float32 scratch, reused layer after layer
+    plan: torch.Tensor  # int64 [3]: positions a chunk, chunks a sequence, threads
+    work: torch.Tensor  # float32: each unit's partials, then each thread's scratch; reused layer after layer
 
     @classmethod
     def of(cls, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> "DecodePlan":
-        b = meta.num_seqs
-        chunk, n = chunking(max(meta.max_seq_len, 1), b, torch.get_num_threads())
-        work = torch.empty(b * n * num_heads * (2 * head_dim + chunk + 2), dtype=torch.float32)
-        return cls(meta.slot_mapping, torch.tensor([chunk, n]), work)
+        b, threads = meta.num_seqs, torch.get_num_threads()
+        chunk, n = chunking(max(meta.max_seq_len, 1), b, threads)
+        work = torch.empty(num_heads * (b * n * (head_dim + 2) + threads * (head_dim + chunk)), dtype=torch.float32)
+        return cls(meta.slot_mapping, torch.tensor([chunk, n, threads]), work)
 
 
 def fits(dtype: torch.dtype, head_dim: int) -> bool:
