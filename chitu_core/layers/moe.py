@@ -235,18 +235,19 @@ class FusedMoE(nn.Module):
                 self.side.join()
             elif shared is not None:
                 extra = shared()
-        else:  # the copies are queued first, so that the shared experts' work queues behind them
+        else:  # the copies are queued first, then the shared experts' work behind them, then the host works
             host = self.host
             inputs = host.to_host(x), host.to_host(weights), host.to_host(ids)
-            pending = host.submit(self._run_on_host, *inputs, host.completion_event())
+            copied = host.completion_event()
             extra = shared() if shared is not None else None
-            out = pending.result().to(x.device)
+            out = self._run_on_host(*inputs, copied).to(x.device)
         if extra is not None:
             out = out + extra
         return self.comm.all_reduce(out) if self.reduce and self.tp_size > 1 else out
 
     def _run_on_host(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, copied) -> torch.Tensor:
-        """The experts on the CPU backend, on the worker thread, once the copies to the host are done."""
+        """The experts on the CPU backend, on the engine's thread (its OpenMP pool: a second thread's pool
+        would share the cores and slow both), once the copies to the host are done."""
         if copied is not None:
             copied.synchronize()
         with torch.inference_mode():
