@@ -200,5 +200,5 @@ write_kv_op = torch.ops.chitu_cpu.write_kv
 _LIBRARY.define("paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor block_tables, Tensor seq_lens, "
                 "Tensor slots, Tensor plan, Tensor(b!) work, float scale, int window) -> Tensor")
 _LIBRARY.impl("paged_decode", paged_decode, "CPU")
-_LIBRARY.impl("paged_decode", lambda q, *_: torch.empty_like(q), "Meta")
+_LIBRARY.impl("paged_decode", lambda q, *_: torch.empty(q.shape, dtype=q.dtype, device=q.device), "Meta")
 paged_decode_op = torch.ops.chitu_cpu.paged_decode

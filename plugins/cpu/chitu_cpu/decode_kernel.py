@@ -1,20 +1,20 @@
-"""A decode step's paged attention in one C++ kernel: each sequence's keys and values read where they lie
-in the cache (no gather), the new token's key and value taken from the step's own rows and then stored.
+"""A decode step's paged attention in one C++ kernel: each sequence's keys and values read where they lie in the
+cache (no gather), the new token's key and value taken from the step's own rows and then stored.
 
-Work is cut into units of (sequence, chunk of positions), spread over the OpenMP threads: a unit reads
-each cache row of its chunk once (all kv heads: whole rows, in the order they lie), scoring each key
-against its G = Hq / Hk query heads, then each value row once for them (softmax partials: the chunk's
-maximum, sum and weighted values); a second loop over (sequence, query head) combines the chunks.
-Chunks are cut so that there are about four units a thread (at batch 1 a thread would else hold the
-whole context), at most 512 positions each, and the rows a few positions ahead are prefetched (a block
-boundary is a jump). Lanes are explicit (GCC/Clang vector extensions), the exponential a polynomial. Measured on the 2-core development machine, SmolLM2's
-layer (9 query heads, 3 kv heads of 64) at 512 positions: 39-42 us against 78-96 us for the compiled
-``decode_attention``; at 1,024, 70 against 174-201 (scratch bench, 30 layers in one compiled graph).
-float32 arithmetic for float32 and bfloat16 caches; a window hides positions before seq_len - window.
+Work is cut into units of (sequence, chunk of positions), spread over the OpenMP threads: a unit reads each
+cache row of its chunk once (all kv heads: whole rows, in the order they lie), scoring each key against its G
+= Hq / Hk query heads, then each value row once for them (softmax partials: the chunk's maximum, sum and
+weighted values); a second loop over (sequence, query head) combines the chunks. Chunks are cut so that there
+are about four units a thread (at batch 1 a thread would else hold the whole context), at most 512 positions
+each, and the rows a few positions ahead are prefetched (a block boundary is a jump). Lanes are explicit
+(GCC/Clang vector extensions), the exponential a polynomial. Measured on the 2-core development machine,
+SmolLM2's layer (9 query heads, 3 kv heads of 64) at 512 positions: 39-42 us against 78-96 us for the compiled
+``decode_attention``; at 1,024, 70 against 174-201 (scratch bench, 30 layers in one compiled graph). float32
+arithmetic for float32 and bfloat16 caches; a window hides positions before seq_len - window.
 
-The kernel is compiled once per dtype and machine (``chitu_cpu.native.build``: the C++ compiler, OpenMP,
-kept on disk) and called with the tensors' data pointers. ``decode_kernel(dtype)`` is None where it cannot
-be built (no compiler); the attention then takes its portable path.
+The kernel is compiled once per dtype and machine (``chitu_cpu.native.build``: the C++ compiler, OpenMP, kept
+on disk) and called with the tensors' data pointers. ``decode_kernel(dtype)`` is None where it cannot be built
+(no compiler); the attention then takes its portable path.
 """
 
 import functools
@@ -77,7 +77,7 @@ static inline V vexp(V x) {  // e^x for x <= 0: 2^n e^r, |r| <= ln2 / 2, degree-
     const V nf = __builtin_convertvector(n, V);
     const V r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
     V p = splat(1.f / 720);
-    p = p * r + 1.f / 120; p = p * r + 1.f / 24; p = p * r + 1.f / 6; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+    for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
     VI bits = (n + 127) << 23;
     V scale; std::memcpy(&scale, &bits, sizeof scale);
     return x < -87.f ? splat(0.f) : p * scale;
@@ -252,10 +252,13 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
     cache [2, blocks, block_size, Hk, D]; block_tables int32 [B, n] and seq_lens int32 [B] (the new token
     included) as the metadata has them; slots, plan and work a ``DecodePlan``'s; window 0 for none.
     Returns [B, Hq, D] and stores k and v at ``slots`` (a negative slot: not stored)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel steps along D by 1
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
     b, hq, d = q.shape
-    out = torch.empty_like(q)
-    decode_kernel(kv_cache.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
-                                  seq_lens.data_ptr(), slots.data_ptr(), out.data_ptr(), work.data_ptr(), b, hq, kv_cache.shape[3],
-                                  d, kv_cache.shape[2], block_tables.stride(0), kv_cache.numel() // 2, window, plan.data_ptr(),
-                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    pointers = (t.data_ptr() for t in (q, k, v, kv_cache, block_tables, seq_lens, slots, out, work))
+    decode_kernel(kv_cache.dtype)(*pointers, b, hq, kv_cache.shape[3], d, kv_cache.shape[2], block_tables.stride(0),
+                                  kv_cache.numel() // 2, window, plan.data_ptr(), q.stride(0), q.stride(1),
+                                  k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale)
     return out

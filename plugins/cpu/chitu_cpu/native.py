@@ -39,12 +39,16 @@ def _binding(name: str, argtypes: list[str]) -> str:
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 static PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t n) {{
-    if (n != {len(argtypes)}) {{ PyErr_SetString(PyExc_TypeError, "{name}: {len(argtypes)} arguments"); return nullptr; }}
+    if (n != {len(argtypes)}) {{
+        PyErr_SetString(PyExc_TypeError, "{name}: {len(argtypes)} arguments");
+        return nullptr;
+    }}
     kernel({", ".join(parse)});
     if (PyErr_Occurred()) return nullptr;
     Py_RETURN_NONE;
 }}
-static PyMethodDef methods[] = {{{{"kernel", (PyCFunction)(void (*)(void))call, METH_FASTCALL, ""}}, {{nullptr, nullptr, 0, nullptr}}}};
+static PyMethodDef methods[] = {{
+    {{"kernel", (PyCFunction)(void (*)(void))call, METH_FASTCALL, ""}}, {{nullptr, nullptr, 0, nullptr}}}};
 static struct PyModuleDef module = {{PyModuleDef_HEAD_INIT, "{name}", nullptr, -1, methods}};
 PyMODINIT_FUNC PyInit_{name}(void) {{ return PyModule_Create(&module); }}
 """
@@ -81,7 +85,8 @@ def build(name: str, source: str, argtypes: list[str]):
                 errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
                 raise RuntimeError(f"{cxx} failed: {' | '.join(errors[:3])}")
             os.replace(out, path)
-    spec = importlib.util.spec_from_file_location(name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path)))
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.kernel
