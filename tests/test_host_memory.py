@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from chitu_core.backend import _malloc_trim
+from chitu_core.bench.server_memory import status_mb
 
 SCRIPT = """
 import torch
@@ -35,9 +36,10 @@ def test_freed_heap_pages_go_back_to_the_os():
     assert kept_then_trimmed, f"200 MB freed on the heap stayed resident after the call (MB before, after): {rounds}"
 
 
-def shmem_mb() -> float:
-    """Resident shared memory of this process (the CPU backend's KV cache is anonymous shared pages)."""
-    return int(open("/proc/self/status").read().split("RssShmem:")[1].split()[0]) / 1024
+def mine(field: str) -> float:
+    """This process's ``field`` of /proc/self/status in MB (RssShmem: the CPU backend's KV cache is anonymous
+    shared pages)."""
+    return status_mb(os.getpid())[field]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -50,9 +52,9 @@ def test_the_cpu_kv_cache_is_resident_only_for_the_blocks_in_use_at_once(tmp_pat
     from test_deepseek import build_deepseek
 
     build_model(tmp_path, "llama") if attention == "paged" else build_deepseek(tmp_path, "v2")
-    rss_before_load = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+    rss_before_load = mine("VmRSS")
     llm = LLM(tmp_path, device="cpu", dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=2048, load_progress=False)
-    bm, before = llm.engine.block_manager, shmem_mb()
+    bm, before = llm.engine.block_manager, mine("RssShmem")
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for r in range(12):
         llm.generate([{"prompt_token_ids": [7 + r] * 60}], params)
@@ -61,8 +63,8 @@ def test_the_cpu_kv_cache_is_resident_only_for_the_blocks_in_use_at_once(tmp_pat
     layers = llm.engine.num_layers
     block_mb = llm.engine.attention.bytes_per_block() * layers / 2**20
     pages_mb = layers * 4 * os.sysconf("SC_PAGE_SIZE") / 2**20  # keys and values of a layer each straddle pages
-    grew = shmem_mb() - before  # 0.47 MB here when each request writes blocks never written before
+    grew = mine("RssShmem") - before  # 0.47 MB here when each request writes blocks never written before
     assert grew <= per_request * block_mb + pages_mb, f"{grew:.2f} MB resident for {per_request} blocks of {block_mb:.3f} MB"
-    loaded = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024 - rss_before_load
+    loaded = mine("VmRSS") - rss_before_load
     cache_mb = bm.num_blocks * block_mb  # the whole budget: 2048 sequences could use it
     assert cache_mb > 200 and loaded < cache_mb / 2, f"{loaded:.0f} MB more resident with a {cache_mb:.0f} MB cache"

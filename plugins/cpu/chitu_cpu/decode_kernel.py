@@ -43,10 +43,13 @@ typedef SCALAR T;
 // 16 lanes in GCC/Clang vector extensions: AVX-512 registers where the machine has them, else pairs or
 // quads of narrower ones
 typedef float V __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
 typedef int32_t VI __attribute__((vector_size(64)));
 typedef uint32_t VU __attribute__((vector_size(64)));
 typedef uint16_t VH __attribute__((vector_size(32)));
 constexpr int W = 16;
+constexpr int64_t AHEAD = 8;  // positions prefetched ahead: a sequence's blocks lie anywhere in the cache
 
 static inline V splat(float x) { return V{} + x; }
 static inline V load(const float* p) { V r; std::memcpy(&r, p, sizeof r); return r; }
@@ -56,8 +59,6 @@ static inline V load(const uint16_t* p) {  // bfloat16: the upper half of a floa
     V r; std::memcpy(&r, &u, sizeof r); return r;
 }
 static inline void store(float* p, V x) { std::memcpy(p, &x, sizeof x); }
-typedef float V8 __attribute__((vector_size(32)));
-typedef float V4 __attribute__((vector_size(16)));
 static inline float hsum(V x) {  // a tree: halves added, four times
     V8 a, b; std::memcpy(&a, &x, 32); std::memcpy(&b, reinterpret_cast<const char*>(&x) + 32, 32);
     a += b;
@@ -65,12 +66,11 @@ static inline float hsum(V x) {  // a tree: halves added, four times
     c += d;
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
+static inline float hmax(V x) { float s = x[0]; for (int i = 1; i < W; ++i) s = std::max(s, x[i]); return s; }
+static inline V vmax(V a, V b) { return a > b ? a : b; }
 template <typename P> static inline void prefetch(const P* p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
 }
-constexpr int64_t AHEAD = 8;  // tokens prefetched ahead: the cache rows of a block are not contiguous across blocks
-static inline float hmax(V x) { float s = x[0]; for (int i = 1; i < W; ++i) s = std::max(s, x[i]); return s; }
-static inline V vmax(V a, V b) { return a > b ? a : b; }
 static inline V vexp(V x) {  // e^x for x <= 0: 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor (relative error ~2e-7)
     const V t = x * 1.44269504f;
     VI n = __builtin_convertvector(t - 0.5f, VI);  // round to nearest: t <= 0
@@ -198,8 +198,7 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* cache, const int32
 _SCALARS = {torch.float32: "float", torch.bfloat16: "uint16_t"}
 
 
-def _argtypes(scalar: str) -> list[str]:
-    t = scalar
+def _argtypes(t: str) -> list[str]:
     return [f"const {t}*", f"const {t}*", f"const {t}*", f"{t}*", "const int32_t*", "const int32_t*", "const int64_t*",
             f"{t}*", "float*"] + ["const int64_t"] * 8 + ["const int64_t*"] + ["const int64_t"] * 6 + ["const float"]
 
