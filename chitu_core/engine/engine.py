@@ -238,13 +238,18 @@ class LLMEngine:
         return num_blocks
 
     def _eos_ids(self, model_dir, hf_config) -> set[int]:
-        ids = getattr(hf_config, "eos_token_id", None)
-        try:
-            from transformers import GenerationConfig
+        """generation_config.json's eos_token_id (an id or a list), else config.json's, else the tokenizer's."""
+        import json
+        from pathlib import Path
 
-            ids = GenerationConfig.from_pretrained(model_dir.path).eos_token_id or ids
-        except OSError:
-            pass  # no generation_config.json
+        ids = getattr(hf_config, "eos_token_id", None)
+        file = Path(model_dir.path) / "generation_config.json"
+        try:
+            ids = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id") or ids
+        except FileNotFoundError:
+            pass
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:  # as transformers did: use the others
+            log.warning("ignoring %s, which is not a readable JSON object (%s)", file, exc)
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer.eos_token_id
         return set(ids if isinstance(ids, list) else [] if ids is None else [ids])

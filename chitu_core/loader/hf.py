@@ -15,6 +15,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -23,6 +24,7 @@ from tqdm.auto import tqdm
 from chitu_core.errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
+COMPLETE_CONFIG_MARKER = "chitu-gguf.json"  # a GGUF conversion's marker; "complete_config": true lets config.json skip transformers
 TENSOR_PARALLEL_FIELD = "chitu_tensor_parallel"  # config.json: {"size": N} in a directory pre-sharded by convert --tp
 
 
@@ -34,7 +36,7 @@ def rank_dir(path: Path, rank: int) -> Path:
 @dataclass
 class HFModelDir:
     path: Path
-    config: object  # transformers.PretrainedConfig
+    config: object  # transformers.PretrainedConfig, or a JsonConfig for a complete config.json
     weight_files: list[Path]  # for a pre-sharded directory: the files of ``rank`` (none before ``for_rank``)
     sharded_for: int | None = None  # the tensor-parallel size it was pre-sharded for, or None
     rank: int | None = None
@@ -77,9 +79,16 @@ class HFModelDir:
         return dtype if isinstance(dtype, torch.dtype) else None
 
     def tokenizer(self):
-        """The tokenizer saved beside the weights (with its chat template), or None if there is none."""
+        """The tokenizer saved beside the weights (with its chat template), or None if there is none:
+        the light one (``chitu_core.loader.tokenizer``) where it reproduces transformers', else
+        transformers' AutoTokenizer."""
         if not any((self.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             return None
+        from chitu_core.loader.tokenizer import LightTokenizer
+
+        light = LightTokenizer.load(self.path)
+        if light is not None:
+            return light
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.path)
@@ -148,12 +157,14 @@ def open_model_dir(path: str | Path, require_weights: bool = True) -> HFModelDir
         raise ModelLoadError(f"model path {str(path)!r} is not a directory; pass an HF model directory (config.json + *.safetensors)")
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json; pass an HF model directory saved with save_pretrained")
-    from transformers import AutoConfig
+    config = _complete_config(path)
+    if config is None:
+        from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError) as exc:
-        raise ModelLoadError(f"transformers cannot read {path / 'config.json'}: {exc}") from None
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ModelLoadError(f"transformers cannot read {path / 'config.json'}: {exc}") from None
     sharded_for = _sharded_for(path, config)
     if not require_weights or sharded_for is not None:
         return HFModelDir(path, config, [], sharded_for)
@@ -161,6 +172,31 @@ def open_model_dir(path: str | Path, require_weights: bool = True) -> HFModelDir
     for f in files:
         read_header(f)
     return HFModelDir(path, config, files)
+
+
+class JsonConfig(SimpleNamespace):
+    """config.json's fields as attributes (nested objects stay dicts), for a directory whose
+    config.json holds every field transformers' config class would default (see ``_complete_config``)."""
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def _complete_config(path: Path) -> JsonConfig | None:
+    """config.json read without transformers where the directory's writer marked it complete (a GGUF
+    conversion's marker file says ``"complete_config": true``), else None."""
+    marker = path / COMPLETE_CONFIG_MARKER
+    try:
+        complete = marker.is_file() and json.loads(marker.read_text()).get("complete_config") is True
+    except (OSError, ValueError):
+        complete = False
+    if not complete:
+        return None
+    try:
+        fields = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path / 'config.json'} ({exc}); delete {path} to convert the model again") from None
+    return JsonConfig(**fields)
 
 
 def _sharded_for(path: Path, config) -> int | None:

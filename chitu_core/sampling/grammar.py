@@ -66,6 +66,8 @@ class GrammarCache:
 
         if tokenizer is None:
             raise GrammarError("structured output needs the model's tokenizer, and this model has none")
+        if hasattr(tokenizer, "hf_tokenizer"):  # a LightTokenizer: xgrammar reads transformers' (loaded now, once)
+            tokenizer = tokenizer.hf_tokenizer()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # this class is the cache
