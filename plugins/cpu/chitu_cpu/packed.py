@@ -15,9 +15,13 @@ only (float32 and float16 take a scalar path some 30x slower), so a float32 or f
 in bfloat16: x is rounded to it and the product cast back. That costs float32 its usual precision (the
 backend declares the wider quant_matmul threshold this needs; the suite shows it).
 
-A tied vocabulary head of GGUF blocks (``ExactTopHead``) recomputes each row's largest logits in float32
-from the blocks the embedding keeps: bfloat16 logits tie where they are close, and the greedy choice among
-ties would fall to token order (4 of 12 chat continuations equal to llama.cpp's without, 7 with).
+A tied vocabulary head of Q8_0 blocks (SmolLM2's) is not packed at all (``Q8_0Head``): a C++ kernel
+(``chitu_cpu.gguf_head``) multiplies x, float32 or bfloat16 as it comes, by the blocks where the embedding
+keeps them, in float32, so the head costs no memory of its own and its logits are the exact weights'. A
+tied head of another 32-group type, or any tied head where that kernel cannot be built (no compiler), is
+packed and recomputes each row's largest logits in float32 from the blocks (``ExactTopHead``): bfloat16
+logits tie where they are close, and the greedy choice among ties would fall to token order (4 of 12 chat
+continuations equal to llama.cpp's without, 7 with).
 
 GGUF weights that do not fit (Q6_K, whose scales change every 16 elements, or N not a multiple of 16)
 are dequantized once into the model dtype (``DenseLinear``) rather than at every call. Declined (the
@@ -31,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from chitu_core.backend import PackedLinear, return_free_host_memory
-from chitu_core.quantization.gguf_blocks import AFFINE_BITS, BLOCK, affine_groups, dequantize
+from chitu_core.quantization.gguf_blocks import AFFINE_BITS, BLOCK, Q8_0, affine_groups, dequantize
+from chitu_cpu.gguf_head import head_kernel, q8_0_head, q8_0_head_op
 
 GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = 2
@@ -115,6 +120,28 @@ class ExactTopHead(Int4PackLinear):
         return y
 
 
+class Q8_0Head(PackedLinear):
+    """A tied vocabulary head of Q8_0 blocks uint8 [N, K / 32 * 34], multiplied where the embedding keeps them
+    (``chitu_cpu.gguf_head``): the exact weights, float32 sums, no copy. x float16 is multiplied in float32."""
+
+    def __init__(self, qweight: torch.Tensor, n: int, k: int):
+        self.qweight, self.n, self.k = qweight.detach(), n, k  # the embedding's own tensor, not a copy
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return {"qweight": self.qweight}  # read every step: it counts as the head's (bench.floor)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead, dtype = x.shape[:-1], x.dtype
+        x = x.reshape(-1, self.k)
+        if dtype != torch.bfloat16:
+            x = x.float()
+        call = q8_0_head_op if torch.compiler.is_compiling() else q8_0_head  # the op: opaque to a compiled step
+        y = call(x, self.qweight).to(dtype)
+        if bias is not None:
+            y += bias
+        return y.reshape(*lead, self.n)
+
+
 class DenseLinear(PackedLinear):
     """W dequantized once into the model dtype."""
 
@@ -134,10 +161,13 @@ def pack_linear(method, layer, dtype: torch.dtype) -> PackedLinear | None:
         return None
     if method.name == "gguf":
         qweight, qtype = layer.qweight, method.options["qtype"]
+        tied = getattr(layer, "tied", None) is not None  # a head whose blocks the embedding keeps anyway
+        if tied and qtype == Q8_0 and head_kernel(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32):
+            return Q8_0Head(qweight, qweight.shape[0], qweight.shape[1] // BLOCK[Q8_0][1] * BLOCK[Q8_0][0])
         if qtype not in AFFINE_BITS or qweight.shape[0] % 16:
             return DenseLinear(dequantize(qweight, qtype).to(dtype))
         n, k = qweight.shape[0], qweight.shape[1] // BLOCK[qtype][1] * BLOCK[qtype][0]
-        if getattr(layer, "tied", None) is not None:  # a head whose blocks the embedding keeps anyway
+        if tied:
             return ExactTopHead(qweight, qtype, n, k)
         return Int4PackLinear(gguf_groups(qweight, qtype), n, k, AFFINE_BITS[qtype], 32)
     if "int4_linear" in getattr(method, "kernels", ()) and getattr(layer, "perm", None) is None \
