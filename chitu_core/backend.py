@@ -177,7 +177,8 @@ class Backend(ABC):
         ``op`` is a name of ``chitu_core.ops.OP_NAMES``, or "attention" (params: backend, num_heads,
         num_kv_heads, head_dim, block_size, kind, max_seq_len, max_query_len), "mla_attention" (latent
         attention, contract 1.1; params: backend, num_heads, kv_lora_rank, rope_dim, block_size, kind,
-        max_seq_len, max_query_len; both with kv_cache_dtype "fp8" for the fp8-cache rows, contract 1.2),
+        max_seq_len, max_query_len; both with kv_cache_dtype "fp8" for the fp8-cache rows, contract 1.2;
+        attention with "float16" or "bfloat16" for a float32 model's 16-bit-cache rows, contract 1.15),
         "sampler", a collective ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv";
         params: world_size, device_count, process_group_backend), "quant" (params: method, m, k, n, bias
         and the method's conformance options) or "model"

@@ -51,11 +51,13 @@ class EngineConfig(BaseSettings):
     max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured as a graph")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")
-    kv_cache_dtype: Literal["auto", "model", "fp8"] = Field(
+    kv_cache_dtype: Literal["auto", "model", "fp8", "float16", "bfloat16"] = Field(
         "auto", description="KV cache elements: 'fp8' float8_e4m3fn with a per-layer scale for keys and one for "
         "values (the checkpoint's, else 1.0), half the bytes a block (twice the blocks in the same memory), where the "
-        "attention backend supports it; 'model' the model dtype; 'auto' fp8 where the checkpoint declares an FP8 KV "
-        "cache (kv_cache_scheme, kv_cache_quant_algo), else the model dtype")
+        "attention backend supports it; 'float16' or 'bfloat16' a float32 model's cache in 16 bits (half its bytes), "
+        "where the attention backend supports it; 'model' the model dtype; 'auto' fp8 where the checkpoint declares an "
+        "FP8 KV cache (kv_cache_scheme, kv_cache_quant_algo), float16 for a float32 model from a GGUF file where the "
+        "attention backend keeps one (as llama.cpp keeps its cache), else the model dtype")
     seed: int = Field(0, description="seeds the per-request seeds of requests that set none")
     num_threads: int | None = Field(None, ge=1, description="host threads, for backends that use them "
                                     "(default: the backend's choice)")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from chitu_core.attention.reference import ReferenceAttention
+from chitu_core.errors import ChituError
 from chitu_core.conformance.attention_cases import metadata  # the suite's step builder, shared
 from chitu_cpu.attention import CpuSdpaAttention
 
@@ -177,8 +178,8 @@ def test_a_compiled_decode_step_reads_the_cache_in_place(dtype, kernel):
 def test_the_decode_kernel_over_contexts_of_several_chunks(hq, hk, d, block_size, dtype):
     """``chitu_cpu.decode_kernel`` cuts contexts into chunks (at most 512 positions, about four a thread)
     whose softmax partials it combines: lengths at and around the cuts, a batch of one (the most
-    chunks) and of several, a window that starts inside a chunk, the new token's key taken from its
-    row rather than from the cache (which still holds the sentinel there)."""
+    chunks) and of several, a window that starts inside a chunk, the new token's key stored before the
+    reads (its slot holds the sentinel until then)."""
     attn = CpuSdpaAttention(hq, hk, d, block_size, dtype, torch.device("cpu"))
     scale = 1 / math.sqrt(d)
     for lens, window in (([1100], None), ([1, 16, 17, 513], None), ([700, 40], 300)):
@@ -205,6 +206,61 @@ def test_the_decode_kernel_over_contexts_of_several_chunks(hq, hk, d, block_size
                                        msg=lambda m: f"lens {lens}, sequence {b}: {m}")
             slot = int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
             assert torch.equal(cache.view(2, -1, hk, d)[:, slot], torch.stack((k[b], v[b])))
+
+
+@pytest.mark.parametrize("path", ["decode_kernel", "portable", "compiled", "compiled-portable"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=lambda v: str(v).removeprefix("torch."))
+def test_a_float32_model_with_a_16bit_cache(cache_dtype, path):
+    """Contract 1.15: a float32 model's cache in float16 or bfloat16 holds every key and value rounded to it
+    (to nearest even), and every step (prefills, decodes through the kernel or SDPA, eager or compiled, a
+    chunked prefill) attends in float32 over what it holds, the new tokens included."""
+    hq, hk, d, block_size = 6, 2, 64, 16
+    attn = CpuSdpaAttention(hq, hk, d, block_size, torch.float32, torch.device("cpu"))
+    attn.set_kv_cache_dtype(str(cache_dtype).removeprefix("torch."))
+    assert attn.bytes_per_block() * 2 == CpuSdpaAttention(hq, hk, d, block_size, torch.float32,
+                                                          torch.device("cpu")).bytes_per_block()
+    scale, lens = 1 / math.sqrt(d), [15, 1, 40]
+    tables, num_blocks = allocate_blocks([n + 12 for n in lens], block_size, spare=2)
+    cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+    assert cache.dtype == cache_dtype and attn.decode_kernel
+    attn.decode_kernel = path in ("decode_kernel", "compiled")
+    forward = torch.compile(attn.forward, dynamic=True) if path.startswith("compiled") else attn.forward
+    ks, vs = [torch.empty(0, hk, d)] * 3, [torch.empty(0, hk, d)] * 3  # each sequence's, as the cache rounds them
+    steps = [([0] * 3, lens)] + [([n + i for n in lens], [1] * 3) for i in range(3)] + [([n + 3 for n in lens], [2, 1, 5])]
+    for contexts, news in steps:
+        meta = metadata(tables, contexts, news, block_size)
+        meta.backend_state = attn.prepare(meta)
+        q, k, v = qkv_views(sum(news), hq, hk, d, torch.float32)
+        out = (forward if max(news) == 1 else attn.forward)(q, k, v, cache, meta, scale)
+        bounds = meta.query_start_loc.tolist()
+        for b in range(3):
+            a, e = bounds[b], bounds[b + 1]
+            ks[b] = torch.cat((ks[b], k[a:e].to(cache_dtype).float()))
+            vs[b] = torch.cat((vs[b], v[a:e].to(cache_dtype).float()))
+            want = dense_attention(q[a:e], ks[b], vs[b], contexts[b], scale)
+            torch.testing.assert_close(out[a:e].double(), want, **TOL[torch.float32],
+                                       msg=lambda m: f"{news}, sequence {b}: {m}")
+    for b in range(3):  # the cache holds the rounded keys and values at each sequence's slots
+        pos = torch.arange(ks[b].shape[0])
+        blocks, offsets = tables[b].long()[pos // block_size], pos % block_size
+        assert torch.equal(cache[0, blocks, offsets], ks[b].to(cache_dtype))
+        assert torch.equal(cache[1, blocks, offsets], vs[b].to(cache_dtype))
+
+
+def test_a_16bit_cache_is_refused_where_not_declared_and_for_a_16bit_model():
+    """Contract 1.15: the request names the class and what it lacks; a 16-bit model's own dtype is "auto"."""
+    class Older(CpuSdpaAttention):
+        supports_16bit_kv_cache = False
+
+    with pytest.raises(ChituError, match=r"^attention backend 'sdpa' \(test_attention\.test_a_16bit_cache_is_refused.*"
+                       r"does not support a float16 KV cache under a float32 model \(it does not set "
+                       r"supports_16bit_kv_cache\); use kv_cache_dtype='auto'$"):
+        Older(4, 2, 64, 16, torch.float32, torch.device("cpu")).set_kv_cache_dtype("float16")
+    bf16 = CpuSdpaAttention(4, 2, 64, 16, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ChituError, match="does not support a float16 KV cache under a bfloat16 model; use"):
+        bf16.set_kv_cache_dtype("float16")
+    bf16.set_kv_cache_dtype("bfloat16")
+    assert bf16.kv_cache_dtype == torch.bfloat16
 
 
 def test_without_a_compiler_decode_steps_take_the_portable_path(monkeypatch, caplog):

@@ -335,7 +335,35 @@ def test_declarations_of_an_fp8_kv_cache():
                                            "kv_cache_quant_algo": None})) is None
     for qc, kv_dtype, want in ((KV_ONLY, "auto", "fp8"), (KV_ONLY, "model", "auto"), (KV_ONLY, "fp8", "fp8"),
                                (None, "auto", "auto"), (None, "model", "auto"), (None, "fp8", "fp8")):
-        assert resolve_kv_cache_dtype(kv_dtype, config(qc)) == want, (qc, kv_dtype)
+        assert resolve_kv_cache_dtype(kv_dtype, config(qc)) == (want,), (qc, kv_dtype)
+
+
+def test_a_gguf_file_asks_for_a_float16_cache_where_the_attention_keeps_one():
+    """Contract 1.15: "auto" gives a GGUF file float16 (llama.cpp's cache) first, else the model dtype; an
+    explicit choice is asked alone, so that a refusal is the error."""
+    from chitu_core.attention.build import build_attention
+    from chitu_core.attention.reference import ReferenceAttention
+    from chitu_core.model import KVGeometry
+    from chitu_cpu.attention import CpuSdpaAttention
+
+    gguf = config({"quant_method": "gguf", "tensor_types": {}})
+    assert resolve_kv_cache_dtype("auto", gguf) == ("float16", "auto")
+    assert resolve_kv_cache_dtype("model", gguf) == ("auto",)
+    assert resolve_kv_cache_dtype("bfloat16", gguf) == ("bfloat16",)
+    assert resolve_kv_cache_dtype("auto", config({"quant_method": "awq"})) == ("auto",)
+
+    class Older(ReferenceAttention):
+        supports_16bit_kv_cache = False
+
+    geometry, cpu = KVGeometry(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16), torch.device("cpu")
+    for cls, dtype, want in ((CpuSdpaAttention, torch.float32, torch.float16), (Older, torch.float32, torch.float32),
+                             (CpuSdpaAttention, torch.bfloat16, torch.bfloat16)):
+        backend = SimpleNamespace(attention_backends=lambda: {"a": cls})
+        attention = build_attention(backend, geometry, None, dtype, cpu, resolve_kv_cache_dtype("auto", gguf))
+        assert attention.kv_cache_dtype == want, (cls, dtype)
+    with pytest.raises(ChituError, match="does not support a float16 KV cache under a float32 model"):
+        build_attention(SimpleNamespace(attention_backends=lambda: {"a": Older}), geometry, None, torch.float32, cpu,
+                        resolve_kv_cache_dtype("float16", gguf))
 
 
 @pytest.mark.parametrize("qc,message", [
@@ -353,4 +381,4 @@ def test_a_declared_scheme_the_cache_cannot_hold_is_a_one_line_error(qc, message
         with pytest.raises(ChituError) as info:
             resolve_kv_cache_dtype(kv_dtype, config(qc))
         assert str(info.value) == message
-    assert resolve_kv_cache_dtype("model", config(qc)) == "auto"  # not used: not checked
+    assert resolve_kv_cache_dtype("model", config(qc)) == ("auto",)  # not used: not checked

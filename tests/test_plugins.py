@@ -233,7 +233,7 @@ def assert_stock(inv: dict) -> None:
                                 "contract_version", "device_count", "process_group_backend", "quant_methods",
                                 "graph_runner", "attention", "fallback_ops", "overridden_ops")} == {
         "distribution": "chitu-cpu", "version": "0.1.0", "loaded": True, "available": True, "reason": "",
-        "device_type": "cpu", "priority": 0, "contract_version": "1.14", "device_count": 1,
+        "device_type": "cpu", "priority": 0, "contract_version": "1.15", "device_count": 1,
         "process_group_backend": "gloo", "quant_methods": ["awq", "fp8", "gguf", "gptq", "int8", "unquantized"],
         "graph_runner": False,
         "attention": list(declared.attention_backends()), "fallback_ops": fallbacks, "overridden_ops": {},
@@ -243,7 +243,7 @@ def assert_stock(inv: dict) -> None:
     models = [m for m in inv["models"] if m["distribution"] == "chitu-models"]
     assert [(m["architecture"], m["loaded"]) for m in models] == [(a, True) for a in MODELS]
     assert inv["quant_methods"] == BUILT_IN_QUANT
-    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.14"
+    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.15"
     assert inv["failures"] == []
 
 

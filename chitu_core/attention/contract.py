@@ -21,6 +21,12 @@ keyword ``kv_scale`` of ``forward`` (and ``rotary_and_write_kv``, ``attend``).
 Layers pass it only then, so a backend written for contract 1.0 or 1.1 keeps
 its signatures; asked for an fp8 cache, it is a one-line error naming it.
 
+16-bit cache (contract 1.15): a backend class that sets ``supports_16bit_kv_cache`` can keep the cache
+of a float32 model in float16 or bfloat16 (``kv_cache_dtype="float16"`` / ``"bfloat16"``), half the
+bytes a block. ``forward`` is called as for a cache of the model dtype; the backend stores keys and
+values rounded to the cache dtype (to nearest even, as ``Tensor.to`` rounds) and attends over what it
+stored, the new tokens included, in float32. A 16-bit model's own dtype is always accepted (it is "auto").
+
 Variants (contract 1.6): a layer may cap its attention logits (``softcap``: scores become
 softcap * tanh(scores / softcap), after the scale and before the mask; Gemma 2) or see only
 the last ``window`` positions (a sliding window: query position i sees key positions j with
@@ -40,6 +46,7 @@ from chitu_core.attention.fp8 import FP8_DTYPE, KV_CACHE_DTYPES
 from chitu_core.errors import ChituError
 
 Tensor = torch.Tensor
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 VARIANTS = frozenset({"softcap", "sliding_window"})
 
 
@@ -86,6 +93,9 @@ class PagedKVBackend(ABC):
     """Contract 1.2: whether this backend can keep its cache in float8_e4m3fn with per-layer scales
     (see the module). A subclass whose support depends on the device also overrides
     ``set_kv_cache_dtype`` to refuse where it cannot."""
+    supports_16bit_kv_cache: ClassVar[bool] = False
+    """Contract 1.15: whether this backend can keep a float32 model's cache in float16 or bfloat16 (see the
+    module). Default False: such a request is a one-line error naming the class."""
     num_kv_scales: ClassVar[int] = 2
     """Scales of one layer's fp8 cache: keys and values (latent attention: 1)."""
     commits_on_write: ClassVar[bool] = False
@@ -115,18 +125,32 @@ class PagedKVBackend(ABC):
             )
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.kv_cache_dtype: torch.dtype = dtype
-        """The cache's element dtype: the model dtype, or float8_e4m3fn after ``set_kv_cache_dtype("fp8")``."""
+        """The cache's element dtype: the model dtype, float8_e4m3fn after ``set_kv_cache_dtype("fp8")``, or a
+        float32 model's 16-bit cache dtype (contract 1.15)."""
 
     def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
-        """Choose the cache's elements before any cache is allocated: "auto" (the model dtype) or "fp8"
-        (float8_e4m3fn). Raises ChituError for "fp8" where the class does not set ``supports_fp8_kv_cache``."""
+        """Choose the cache's elements before any cache is allocated: "auto" (the model dtype), "fp8"
+        (float8_e4m3fn), or "float16" / "bfloat16". Raises ChituError for one ``accepts_kv_cache_dtype``
+        refuses, naming the class and what it lacks."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is none of {KV_CACHE_DTYPES}")
-        if kv_cache_dtype == "fp8" and not self.supports_fp8_kv_cache:
+        if not self.accepts_kv_cache_dtype(kv_cache_dtype):
             cls = type(self)
+            what = ("an fp8 KV cache (it does not set supports_fp8_kv_cache)" if kv_cache_dtype == "fp8" else
+                    f"a {kv_cache_dtype} KV cache under a {str(self.dtype).removeprefix('torch.')} model"
+                    + (" (it does not set supports_16bit_kv_cache)" if self.dtype == torch.float32 else ""))
             raise ChituError(f"attention backend {self.name!r} ({cls.__module__}.{cls.__qualname__}) does not support "
-                             "an fp8 KV cache (it does not set supports_fp8_kv_cache); use kv_cache_dtype='auto'")
-        self.kv_cache_dtype = FP8_DTYPE if kv_cache_dtype == "fp8" else self.dtype
+                             f"{what}; use kv_cache_dtype='auto'")
+        self.kv_cache_dtype = FP8_DTYPE if kv_cache_dtype == "fp8" else _HALF.get(kv_cache_dtype, self.dtype)
+
+    def accepts_kv_cache_dtype(self, kv_cache_dtype: str) -> bool:
+        """Whether ``set_kv_cache_dtype(kv_cache_dtype)`` is within what the class declares: "auto" always,
+        "fp8" with ``supports_fp8_kv_cache``, a 16-bit dtype that is the model's own, or with
+        ``supports_16bit_kv_cache`` under a float32 model."""
+        if kv_cache_dtype == "fp8":
+            return self.supports_fp8_kv_cache
+        half = _HALF.get(kv_cache_dtype)
+        return half is None or half == self.dtype or (self.dtype == torch.float32 and self.supports_16bit_kv_cache)
 
     def new_kv_scale(self) -> Tensor | None:
         """One layer's scales for its fp8 cache: float32 [num_kv_scales] of ones (the default where a

@@ -30,9 +30,9 @@ Tensor = torch.Tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-KV_CACHE_DTYPES = ("auto", "fp8")
-"""What ``set_kv_cache_dtype`` accepts: "auto" (the model dtype) or "fp8" (the engine resolves its own
-``kv_cache_dtype``, "auto" / "model" / "fp8", to one of these: ``quantization.kv_scales``)."""
+KV_CACHE_DTYPES = ("auto", "fp8", "float16", "bfloat16")
+"""What ``set_kv_cache_dtype`` accepts: "auto" (the model dtype), "fp8", or (contract 1.15) a 16-bit cache
+of a float32 model (the engine resolves its own ``kv_cache_dtype`` to these: ``quantization.kv_scales``)."""
 
 
 def is_fp8(kv_cache: Tensor) -> bool:

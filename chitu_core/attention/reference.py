@@ -92,6 +92,7 @@ class ReferenceAttention(AttentionBackend):
     name = "reference"
     block_sizes = (16, 1, 8, 32, 64, 128)
     supports_fp8_kv_cache = True
+    supports_16bit_kv_cache = True  # contract 1.15: write_kv rounds to the cache dtype, the read upcasts
     variants = VARIANTS
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

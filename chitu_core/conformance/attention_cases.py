@@ -19,6 +19,10 @@ values the reference's fp8 cache reads back (``chitu_core.attention.fp8``: quant
 dequantized in float64), so that both sides carry the same rounding. Scales below 1 make some keys
 saturate. A backend class that does not set ``supports_fp8_kv_cache`` has these cases declined.
 
+16-bit cache (contract 1.15), rows ``attention/NAME/f16-kv`` and ``/bf16-kv``, float32 only: the cache
+in float16 or bfloat16, against dense attention over the keys and values rounded to it (to nearest even).
+A class that does not set ``supports_16bit_kv_cache`` has them declined.
+
 Variants (contract 1.6), rows ``attention/NAME/softcap``, ``/window`` and ``/softcap+window``: the
 same steps with the logits capped and a sliding window narrower than the contexts (decodes, chunked
 prefills and prefills cross it); a backend class whose ``variants`` lacks one has its cases declined.
@@ -54,6 +58,7 @@ class Plan:
     scale: float | None = None  # None: 1/sqrt(head_dim)
     layout: str = "padded"  # of q, k and v: slices of a fused projection, or contiguous
     kv_scale: tuple[float, float] | None = None  # an fp8 cache's (key, value) scales; None: the model dtype
+    cache_dtype: str | None = None  # a float32 model's 16-bit cache (contract 1.15), "float16" or "bfloat16"
     padding: int = 0  # padding rows (slot -1) ending the step-2 batch
     softcap: float | None = None  # contract 1.6 variants
     window: int | None = None
@@ -95,11 +100,21 @@ FP8_PLANS = [  # at the default block size only
     Plan("prefill", 4, 4, 64, ((0, 17), (0, 5)), layout="contiguous", kv_scale=(0.3, 0.05)),
     Plan("padded mixed", 4, 2, 64, ((0, 9), (16, 1)), kv_scale=(0.3, 0.05), padding=2),
 ]
+HALF_PLANS = [  # float32 cases at the default block size only
+    Plan("mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), cache_dtype="float16"),
+    Plan("decode", 8, 1, 128, ((33, 1), (130, 1), (2, 1)), cache_dtype="float16"),
+    Plan("padded mixed", 4, 2, 64, ((0, 9), (16, 1)), cache_dtype="float16", padding=2),
+    Plan("mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), cache_dtype="bfloat16"),
+    Plan("decode", 8, 1, 128, ((33, 1), (130, 1), (2, 1)), cache_dtype="bfloat16"),
+]
+HALF_ROWS = {"float16": "f16-kv", "bfloat16": "bf16-kv"}
 
 
-def read_back(x: Tensor, kv_scale: float | None) -> Tensor:
-    """What a cache of the plan's kind gives back for x: x itself, or (fp8) x quantized and dequantized
-    by the reference, in float64."""
+def read_back(x: Tensor, kv_scale: float | None, cache_dtype: str | None = None) -> Tensor:
+    """What a cache of the plan's kind gives back for x: x itself, x rounded to a 16-bit cache dtype, or
+    (fp8) x quantized and dequantized by the reference, in float64."""
+    if cache_dtype is not None:
+        return x.to(getattr(torch, cache_dtype)).double()
     if kv_scale is None:
         return x
     scale = torch.tensor(kv_scale, dtype=torch.float32)
@@ -107,7 +122,11 @@ def read_back(x: Tensor, kv_scale: float | None) -> Tensor:
 
 
 def fp8_row(plan, row: str, label: str, params: dict) -> tuple[str, str]:
-    """An fp8-cache plan's row and label, its params saying kv_cache_dtype "fp8"; other plans' as they are."""
+    """An fp8- or 16-bit-cache plan's row and label, its params saying its kv_cache_dtype; other plans' as
+    they are."""
+    if getattr(plan, "cache_dtype", None) is not None:  # (latent attention's plans have none)
+        params["kv_cache_dtype"] = plan.cache_dtype
+        return f"{row}/{HALF_ROWS[plan.cache_dtype]}", f"{label} cache={plan.cache_dtype}"
     if plan.kv_scale is None:
         return row, label
     params["kv_cache_dtype"] = "fp8"
@@ -115,7 +134,9 @@ def fp8_row(plan, row: str, label: str, params: dict) -> tuple[str, str]:
 
 
 def fp8_declined(attn_cls: type, plan) -> str:
-    """Why an fp8-cache plan is not run on ``attn_cls`` ("" where it runs)."""
+    """Why an fp8- or 16-bit-cache plan is not run on ``attn_cls`` ("" where it runs)."""
+    if getattr(plan, "cache_dtype", None) is not None and not attn_cls.supports_16bit_kv_cache:
+        return f"{attn_cls.__name__} does not set supports_16bit_kv_cache (contract 1.15)"
     if plan.kv_scale is None or attn_cls.supports_fp8_kv_cache:
         return ""
     return f"{attn_cls.__name__} does not set supports_fp8_kv_cache (contract 1.2)"
@@ -190,7 +211,7 @@ class Step:
         self.slots = meta.slot_mapping[meta.slot_mapping >= 0]
         self.bounds, self.real = meta.query_start_loc.tolist(), sum(news)
         self.attn, self.cache, self.scale = attn, cache, plan.scale or 1 / math.sqrt(d)
-        self.kv_scale, self.variant = plan.kv_scale, plan.variant
+        self.kv_scale, self.variant, self.cache_dtype = plan.kv_scale, plan.variant, plan.cache_dtype
 
     def call(self) -> Tensor:
         q, k, v = (g.view for g in self.operands)
@@ -224,9 +245,10 @@ class Step:
         """Sequence i's queries, and its keys and values as the cache gives them back."""
         a, b = self.bounds[i], self.bounds[i + 1]
         q, k, v = (t[a:b] for t in self.host)
-        if self.kv_scale is None:
+        if self.kv_scale is None and self.cache_dtype is None:
             return q, k, v
-        return q, read_back(k, self.kv_scale[0]), read_back(v, self.kv_scale[1])
+        scales = self.kv_scale or (None, None)
+        return q, read_back(k, scales[0], self.cache_dtype), read_back(v, scales[1], self.cache_dtype)
 
 
 def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan, block_size: int,
@@ -234,7 +256,7 @@ def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan
     gen, device, dtype = case.generator(), target.device, case.dtype
     try:
         attn = attn_cls(plan.num_heads, plan.num_kv_heads, plan.head_dim, block_size, dtype, device)
-        attn.set_kv_cache_dtype("auto" if plan.kv_scale is None else "fp8")
+        attn.set_kv_cache_dtype(plan.cache_dtype or ("auto" if plan.kv_scale is None else "fp8"))
         contexts, news = [c for c, _ in plan.seqs], [n for _, n in plan.seqs]
         tables, num_blocks = allocate_blocks(gen, [c + n for c, n in plan.seqs] + [1] * plan.padding, block_size)
         cache = GuardedCache.allocate(attn, num_blocks + 1)  # no table names the last block: slot -1 wraps there
@@ -299,9 +321,12 @@ def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
     for name, cls in backends.items():
         default = cls.block_sizes[0]
         plans = ([(p, default) for p in PLANS] + [(SWEEP, bs) for bs in cls.block_sizes[1:]]
-                 + [(p, default) for p in FP8_PLANS] + [(p, default) for p in VARIANT_PLANS])
+                 + [(p, default) for p in FP8_PLANS] + [(p, default) for p in VARIANT_PLANS]
+                 + [(p, default) for p in HALF_PLANS])
         for dtype in dtypes:
             for plan, bs in plans:
+                if plan.cache_dtype is not None and dtype != torch.float32:
+                    continue
                 params = {"backend": name, "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads,
                           "head_dim": plan.head_dim, "block_size": bs, "kind": plan.kind,
                           "max_seq_len": max(c + n for c, n in plan.seqs),

@@ -10,7 +10,7 @@ Declarations, in config.json's ``quantization_config``:
   ``quantization`` (hf_quant_config.json's layout); any other algorithm is a one-line error.
 
 With ``kv_cache_dtype="auto"`` such a checkpoint gets the fp8 cache; ``"model"`` and ``"fp8"`` say so
-explicitly and win.
+explicitly and win. (``resolve_kv_cache_dtype`` also gives a GGUF file a float16 cache where it can.)
 
 Scale tensors: one float per attention layer, 0-d or [1], named by the attention module's path
 (``model.layers.N.self_attn``) and a suffix: ``.k_scale`` / ``.v_scale`` (llm-compressor, vLLM),
@@ -75,14 +75,22 @@ def declared_kv_cache_dtype(hf_config: Any) -> str | None:
     return "fp8"
 
 
-def resolve_kv_cache_dtype(requested: str, hf_config: Any) -> str:
-    """``EngineConfig.kv_cache_dtype`` -> the attention backend's (``set_kv_cache_dtype``): "model" -> "auto"
-    (the model dtype); "fp8" -> "fp8"; "auto" -> "fp8" where the checkpoint declares an FP8 KV cache, else
+def resolve_kv_cache_dtype(requested: str, hf_config: Any) -> tuple[str, ...]:
+    """``EngineConfig.kv_cache_dtype`` -> what to ask the attention backend for (``set_kv_cache_dtype``), in
+    order of preference: ``build_attention`` takes the first the backend accepts and asks for the last
+    regardless (so a refusal of it is the error). "model" -> "auto" (the model dtype); "fp8", "float16",
+    "bfloat16" -> themselves; "auto" -> "fp8" where the checkpoint declares an FP8 KV cache, for a GGUF file
+    "float16" where the backend keeps one under a float32 model (llama.cpp's cache: contract 1.15), else
     "auto". An explicit "fp8" still checks the declared scheme, so per-head scales fail here, not mid-load."""
     if requested == "model":
-        return "auto"
+        return ("auto",)
     declared = declared_kv_cache_dtype(hf_config)
-    return "fp8" if requested == "fp8" else declared or "auto"
+    if requested != "auto":
+        return (requested,)
+    if declared:
+        return (declared,)
+    qc = checkpoint_quant_config(hf_config)
+    return ("float16", "auto") if qc is not None and qc.get("quant_method") == "gguf" else ("auto",)
 
 
 def load_kv_scales(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

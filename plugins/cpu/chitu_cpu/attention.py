@@ -11,6 +11,7 @@ keys and values stored after, eager or inside a compiled forward (as an opaque o
 cannot be built, a compiled forward's decode step takes ``decode_attention``: the graph reads the
 cache through the block tables itself, and the write follows the read.
 
+A float32 model's cache may be float16 or bfloat16 (contract 1.15): written rounded, read back upcast.
 An fp8 cache (contract 1.2) is written as the reference writes it; the gathered
 keys and values are upcast to the model dtype (exact for e4m3) and the scales
 applied outside SDPA: the key scale folded into the softmax scale, the value
@@ -74,6 +75,7 @@ class CpuSdpaAttention(AttentionBackend):
     name = "sdpa"
     block_sizes = (16, 1, 8, 32, 64, 128)
     supports_fp8_kv_cache = True
+    supports_16bit_kv_cache = True  # contract 1.15: a float32 model's cache in float16 or bfloat16
     commits_on_write = True  # contract 1.14: allocate_kv_cache's pages become resident as they are written
     decode_kernel = False  # whether decode steps take chitu_cpu.decode_kernel (set by allocate_kv_cache)
     variants = VARIANTS  # contract 1.6: a window masks more; a capped layer takes the reference's math
@@ -82,7 +84,7 @@ class CpuSdpaAttention(AttentionBackend):
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        self.decode_kernel = fits(self.kv_cache_dtype, self.head_dim)  # built here, at load
+        self.decode_kernel = fits(self.dtype, self.kv_cache_dtype, self.head_dim)  # built here, at load
         return zero_pages(self.kv_cache_shape(num_blocks), self.kv_cache_dtype)
 
     def prepare(self, meta: AttentionMetadata) -> CpuStepState | DecodePlan:
@@ -94,7 +96,7 @@ class CpuSdpaAttention(AttentionBackend):
         if softcap is not None:  # SDPA has no logit cap
             return paged_attention(q, k, v, kv_cache, meta, scale, kv_scale, softcap, window)
         state = meta.backend_state
-        if isinstance(state, DecodePlan):  # (never for an fp8 cache: fits() takes float32 and bfloat16)
+        if isinstance(state, DecodePlan):  # (never for an fp8 cache: fits() takes no fp8 cache)
             # one kernel reads the cache where it lies and stores the new keys and values (chitu_cpu.decode_kernel)
             call = paged_decode_op if torch.compiler.is_compiling() else paged_decode
             return call(q, k, v, kv_cache, meta.block_tables, meta.seq_lens, state.slots, state.plan, state.work, scale,
@@ -137,8 +139,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
     hq = q.shape[1]
     flat = kv_cache.view(2, -1, hk, d)
     new = (torch.arange(s, device=q.device)[None, :] == last)[:, :, None, None]  # [B, S, 1, 1]
-    keys = torch.where(new, k[:, None].float(), flat[0][token_slots].float())  # [B, S, Hk, D]
-    values = torch.where(new, v[:, None].float(), flat[1][token_slots].float())
+    # the new key and value as the cache will hold them (a 16-bit cache of a float32 model rounds them)
+    keys = torch.where(new, k[:, None].to(kv_cache.dtype).float(), flat[0][token_slots].float())  # [B, S, Hk, D]
+    values = torch.where(new, v[:, None].to(kv_cache.dtype).float(), flat[1][token_slots].float())
     qg = q.float().view(b, 1, hk, hq // hk, d)
     scores = (qg * keys[:, :, :, None]).sum(-1) * scale  # [B, S, Hk, G]
     scores = scores.masked_fill(~mask.view(b, s, 1, 1), float("-inf"))
@@ -167,8 +170,9 @@ def paged_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torc
     kv = gathered.view(2, b, -1, hk, d)[:, :, :max_s].transpose(2, 3)  # [2, B, Hk, S, D]
     keys, values = kv[0], kv[1]
     v_scale = None
-    if kv_scale is not None:
+    if keys.dtype != q.dtype:  # an fp8 cache, or a float32 model's 16-bit one
         keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if kv_scale is not None:
         k_scale, v_scale = kv_scale.tolist()
         scale *= k_scale
     hq = q.shape[1]

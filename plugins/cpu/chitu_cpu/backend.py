@@ -28,8 +28,8 @@ class CpuBackend(Backend):
     device_type = "cpu"
     # 1.9: the decode-step fusions (ops.rms_norm_linear, ops.linear_add); 1.10: ops.mla_inputs;
     # 1.11: ops.linear_float32; 1.12: AttentionBackend.fuses_qk_norm (1.13 adds nothing a CPU serves);
-    # 1.14: AttentionBackend.commits_on_write
-    contract_version = "1.14"
+    # 1.14: AttentionBackend.commits_on_write; 1.15: AttentionBackend.supports_16bit_kv_cache
+    contract_version = "1.15"
     priority = 0  # any accelerator backend should win under device="auto"
 
     def is_available(self) -> Availability:

@@ -1,5 +1,5 @@
 """A decode step's paged attention in one C++ kernel: each sequence's keys and values read where they lie in the
-cache (no gather), the new token's key and value taken from the step's own rows and then stored.
+cache (no gather), the new token's key and value stored first and read back with the rest.
 
 Work is cut into units of (sequence, chunk of positions), spread over the OpenMP threads: a unit reads each
 cache row of its chunk once (all kv heads: whole rows, in the order they lie), scoring each key against its G
@@ -10,10 +10,11 @@ each, and the rows a few positions ahead are prefetched (a block boundary is a j
 (GCC/Clang vector extensions), the exponential a polynomial. Measured on the 2-core development machine,
 SmolLM2's layer (9 query heads, 3 kv heads of 64) at 512 positions: 39-42 us against 78-96 us for the compiled
 ``decode_attention``; at 1,024, 70 against 174-201 (scratch bench, 30 layers in one compiled graph). float32
-arithmetic for float32 and bfloat16 caches; a window hides positions before seq_len - window.
+arithmetic for float32 and bfloat16 models with caches of their dtype, and for float32 models with float16 or
+bfloat16 caches (contract 1.15); a window hides positions before seq_len - window.
 
-The kernel is compiled once per dtype and machine (``chitu_cpu.native.build``: the C++ compiler, OpenMP, kept
-on disk) and called with the tensors' data pointers. ``decode_kernel(dtype)`` is None where it cannot be built
+The kernel is compiled once per dtype pair and machine (``chitu_cpu.native.build``: the C++ compiler, OpenMP, kept
+on disk) and called with the tensors' data pointers. ``decode_kernel(dtype, cache_dtype)`` is None where it cannot be built
 (no compiler); the attention then takes its portable path.
 """
 
@@ -39,7 +40,8 @@ _SOURCE = r"""
 #include <limits>
 #include <omp.h>
 
-typedef SCALAR T;
+typedef SCALAR T;  // q, k, v and the output: the model dtype
+typedef CACHE C;   // the cache's elements: T, or (contract 1.15) a float32 model's float16 or bfloat16
 // 16 lanes in GCC/Clang vector extensions: AVX-512 registers where the machine has them, else pairs or
 // quads of narrower ones
 typedef float V __attribute__((vector_size(64)));
@@ -48,6 +50,7 @@ typedef float V4 __attribute__((vector_size(16)));
 typedef int32_t VI __attribute__((vector_size(64)));
 typedef uint32_t VU __attribute__((vector_size(64)));
 typedef uint16_t VH __attribute__((vector_size(32)));
+typedef _Float16 VF16 __attribute__((vector_size(32)));
 constexpr int W = 16;
 constexpr int64_t AHEAD = 8;  // positions prefetched ahead: a sequence's blocks lie anywhere in the cache
 
@@ -58,7 +61,10 @@ static inline V load(const uint16_t* p) {  // bfloat16: the upper half of a floa
     VU u = __builtin_convertvector(h, VU) << 16;
     V r; std::memcpy(&r, &u, sizeof r); return r;
 }
+static inline V load(const _Float16* p) { VF16 h; std::memcpy(&h, p, sizeof h); return __builtin_convertvector(h, V); }
 static inline void store(float* p, V x) { std::memcpy(p, &x, sizeof x); }
+static inline float scalar(float x) { return x; }
+static inline float scalar(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 static inline float hsum(V x) {  // a tree: halves added, four times
     V8 a, b; std::memcpy(&a, &x, 32); std::memcpy(&b, reinterpret_cast<const char*>(&x) + 32, 32);
     a += b;
@@ -83,6 +89,7 @@ static inline V vexp(V x) {  // e^x for x <= 0: 2^n e^r, |r| <= ln2 / 2, degree-
     return x < -87.f ? splat(0.f) : p * scale;
 }
 static inline void put(float* p, float x) { *p = x; }
+static inline void put(_Float16* p, float x) { *p = _Float16(x); }  // to nearest even, as torch rounds
 static inline void put(uint16_t* p, float x) {  // round to nearest even, as torch rounds float32 to bfloat16
     uint32_t u; std::memcpy(&u, &x, 4);
     if (std::isnan(x)) { *p = 0x7FC0; return; }
@@ -90,7 +97,7 @@ static inline void put(uint16_t* p, float x) {  // round to nearest even, as tor
     *p = uint16_t(u >> 16);
 }
 
-extern "C" void kernel(const T* q, const T* k, const T* v, T* cache, const int32_t* tables, const int32_t* seq_lens,
+extern "C" void kernel(const T* q, const T* k, const T* v, C* cache, const int32_t* tables, const int32_t* seq_lens,
                        const int64_t* slots, T* out, float* work, const int64_t B, const int64_t Hq, const int64_t Hk,
                        const int64_t D, const int64_t BS, const int64_t table_stride, const int64_t half,
                        const int64_t window, const int64_t* plan, const int64_t sq0, const int64_t sq1,
@@ -99,6 +106,14 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* cache, const int32
     const int64_t chunk = plan[0], nchunks = plan[1], threads = plan[2];
     const int64_t per_unit = Hq * D + 2 * Hq;  // a unit's partials, kept for the combination
     const float neg = -std::numeric_limits<float>::infinity();
+    for (int64_t b = 0; b < B; ++b) {  // the new keys and values stored first, as the cache rounds them
+        if (slots[b] < 0) continue;
+        for (int64_t h = 0; h < Hk; ++h)
+            for (int64_t d = 0; d < D; ++d) {
+                put(cache + slots[b] * row + h * D + d, scalar(k[b * sk0 + h * sk1 + d]));
+                put(cache + half + slots[b] * row + h * D + d, scalar(v[b * sv0 + h * sv1 + d]));
+            }
+    }
     #pragma omp parallel num_threads(threads)
     {
     float* qf = work + B * nchunks * per_unit + omp_get_thread_num() * (Hq * D + Hq * chunk);  // [Hq, D], scaled
@@ -118,12 +133,12 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* cache, const int32
         for (int64_t i = 0; i < Hq; ++i)
             for (int64_t d = 0; d < D; d += W) store(qf + i * D + d, load(q + b * sq0 + i * sq1 + d) * scale);
         const int32_t* table = tables + b * table_stride;
-        auto at = [&](const T* base, int64_t t) { return base + (int64_t(table[t / BS]) * BS + t % BS) * row; };
+        auto at = [&](const C* base, int64_t t) { return base + (int64_t(table[t / BS]) * BS + t % BS) * row; };
         for (int64_t i = 0; i < n; ++i) {  // scores: each key row read once, for its G query heads
             const int64_t t = t0 + i;
-            if (t + AHEAD < L - 1) prefetch(at(cache, t + AHEAD), row * sizeof(T));
+            if (t + AHEAD < L) prefetch(at(cache, t + AHEAD), row * sizeof(C));
             for (int64_t h = 0; h < Hk; ++h) {
-                const T* key = t == L - 1 ? k + b * sk0 + h * sk1 : at(cache, t) + h * D;
+                const C* key = at(cache, t) + h * D;
                 for (int64_t g = h * G; g < (h + 1) * G; ++g) {
                     V s = V{};
                     for (int64_t j = 0; j < Dv; ++j) s += load(qf + g * D + j * W) * load(key + j * W);
@@ -151,9 +166,9 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* cache, const int32
         }
         for (int64_t i = 0; i < n; ++i) {  // values: each row read once, for its G query heads
             const int64_t t = t0 + i;
-            if (t + AHEAD < L - 1) prefetch(at(cache + half, t + AHEAD), row * sizeof(T));
+            if (t + AHEAD < L) prefetch(at(cache + half, t + AHEAD), row * sizeof(C));
             for (int64_t h = 0; h < Hk; ++h) {
-                const T* val = t == L - 1 ? v + b * sv0 + h * sv1 : at(cache + half, t) + h * D;
+                const C* val = at(cache + half, t) + h * D;
                 for (int64_t g = h * G; g < (h + 1) * G; ++g) {
                     const V p = splat(sc[g * chunk + i]);
                     float* a = acc + g * D;
@@ -185,32 +200,31 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* cache, const int32
         for (int64_t d = 0; d < D; ++d) put(dst + d, o[d]);
     }
     }  // omp parallel
-    for (int64_t b = 0; b < B; ++b) {  // the new keys and values stored, every read done
-        if (slots[b] < 0) continue;
-        for (int64_t h = 0; h < Hk; ++h) {
-            std::memcpy(cache + slots[b] * row + h * D, k + b * sk0 + h * sk1, D * sizeof(T));
-            std::memcpy(cache + half + slots[b] * row + h * D, v + b * sv0 + h * sv1, D * sizeof(T));
-        }
-    }
 }
 """
 
-_SCALARS = {torch.float32: "float", torch.bfloat16: "uint16_t"}
+_SCALARS = {torch.float32: "float", torch.bfloat16: "uint16_t", torch.float16: "_Float16"}
+KINDS = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+         (torch.float32, torch.bfloat16)}
+"""(model dtype, cache dtype) pairs the kernel is built for."""
 
 
-def _argtypes(t: str) -> list[str]:
-    return [f"const {t}*", f"const {t}*", f"const {t}*", f"{t}*", "const int32_t*", "const int32_t*", "const int64_t*",
+def _argtypes(t: str, c: str) -> list[str]:
+    return [f"const {t}*", f"const {t}*", f"const {t}*", f"{c}*", "const int32_t*", "const int32_t*", "const int64_t*",
             f"{t}*", "float*"] + ["const int64_t"] * 8 + ["const int64_t*"] + ["const int64_t"] * 6 + ["const float"]
 
 
 @functools.cache
-def decode_kernel(dtype: torch.dtype):
-    """The compiled kernel for a cache of ``dtype``, or None (no such kernel, or no compiler: logged once)."""
-    if dtype not in _SCALARS:
+def decode_kernel(dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
+    """The compiled kernel for a model of ``dtype`` and a cache of ``cache_dtype`` (default: the same), or
+    None (no such kernel, or no compiler: logged once)."""
+    cache_dtype = cache_dtype or dtype
+    if (dtype, cache_dtype) not in KINDS:
         return None
+    t, c = _SCALARS[dtype], _SCALARS[cache_dtype]
     try:
-        source = _SOURCE.replace("SCALAR", _SCALARS[dtype]).replace("MAX_HEAD_DIM", str(MAX_HEAD_DIM))
-        return build(f"chitu_decode_{_SCALARS[dtype]}", source, _argtypes(_SCALARS[dtype]))
+        source = _SOURCE.replace("SCALAR", t).replace("CACHE", c).replace("MAX_HEAD_DIM", str(MAX_HEAD_DIM))
+        return build(f"chitu_decode_{t}_{c}".replace("_Float16", "half"), source, _argtypes(t, c))
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, or it failed
         log.warning("the CPU decode-attention kernel could not be built (%s); decode steps take the portable path", e)
         return None
@@ -239,25 +253,26 @@ class DecodePlan:
         return cls(meta.slot_mapping, torch.tensor([chunk, n, threads]), work)
 
 
-def fits(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether decode steps of this cache dtype and head size can take the kernel (building it here)."""
-    return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and decode_kernel(dtype) is not None
+def fits(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode steps of this model dtype, cache dtype and head size can take the kernel (building it here)."""
+    return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and decode_kernel(dtype, cache_dtype) is not None
 
 
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, slots: torch.Tensor, plan: torch.Tensor, work: torch.Tensor, scale: float,
                  window: int) -> torch.Tensor:
-    """q [B, Hq, D], k and v [B, Hk, D] (one new token a sequence, the cache's dtype, unit stride along D); the
-    cache [2, blocks, block_size, Hk, D]; block_tables int32 [B, n] and seq_lens int32 [B] (the new token
+    """q [B, Hq, D], k and v [B, Hk, D] (one new token a sequence, the model dtype, unit stride along D); the
+    cache [2, blocks, block_size, Hk, D] (one of ``KINDS`` with q's dtype); block_tables int32 [B, n] and seq_lens int32 [B] (the new token
     included) as the metadata has them; slots, plan and work a ``DecodePlan``'s; window 0 for none.
-    Returns [B, Hq, D] and stores k and v at ``slots`` (a negative slot: not stored)."""
+    Returns [B, Hq, D]. k and v are stored at ``slots`` first (rounded to the cache dtype), and every position read
+    from the cache; a negative slot is not stored (its sequence then reads what its slot held: padding only)."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel steps along D by 1
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
     b, hq, d = q.shape
     out = torch.empty(q.shape, dtype=q.dtype)
     pointers = (t.data_ptr() for t in (q, k, v, kv_cache, block_tables, seq_lens, slots, out, work))
-    decode_kernel(kv_cache.dtype)(*pointers, b, hq, kv_cache.shape[3], d, kv_cache.shape[2], block_tables.stride(0),
-                                  kv_cache.numel() // 2, window, plan.data_ptr(), q.stride(0), q.stride(1),
-                                  k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale)
+    kernel = decode_kernel(q.dtype, kv_cache.dtype)
+    kernel(*pointers, b, hq, kv_cache.shape[3], d, kv_cache.shape[2], block_tables.stride(0), kv_cache.numel() // 2,
+           window, plan.data_ptr(), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale)
     return out
