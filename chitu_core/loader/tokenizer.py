@@ -102,8 +102,6 @@ class LightTokenizer:
             return "tokenizer_config.json names remote code or versioned tokenizer files"
         if "model_type" in model and model["model_type"] not in TRUSTED_MODEL_TYPES:
             return f"model_type {model['model_type']!r} is not one of {sorted(TRUSTED_MODEL_TYPES)}"
-        if isinstance(model.get("tokenizer_class"), str) and "tokenizer_class" not in config:
-            return "config.json names a tokenizer class"
         return None
 
     # --- what the engine and server use -----------------------------------------------------------
