@@ -209,6 +209,29 @@ def test_the_default_model_runs_without_importing_transformers(tmp_path):
     assert len(list((tmp_path / "cache" / "gguf").glob("*/chitu-gguf.json"))) == 1
 
 
+def test_a_script_without_a_main_guard_converts_once(tmp_path):
+    """The conversion's child is a fresh interpreter, not a spawn that re-runs the caller's script (which
+    would load the model again in the child and wait for the parent's lock)."""
+    script = tmp_path / "script.py"
+    script.write_text("from chitu_core import LLM\nfrom chitu_core.loader.gguf import default_model_file\n"
+                      "LLM(str(default_model_file()), num_threads=2, load_progress=False)\nprint('loaded')\n")
+    env = {**os.environ, "CHITU_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "loaded", run.stderr[-3000:]
+
+
+def test_a_conversion_that_fails_in_its_child_says_why(tmp_path):
+    bad = tmp_path / "bad.gguf"  # a whole header that names an architecture the converter refuses
+    code = ("import sys, gguf; w = gguf.GGUFWriter(sys.argv[1], 'bert'); w.write_header_to_file(); "
+            "w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()\n"
+            "from chitu_core.loader.gguf import resolve_model\n"
+            "try:\n    resolve_model(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)")
+    env = {**os.environ, "CHITU_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", code, str(bad)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.stdout.startswith(f"ModelLoadError converting {bad} failed (in a child process): ModelLoadError: {bad} "
+                                 "holds GGUF architecture 'bert'"), (run.stdout, run.stderr[-2000:])
+
+
 @pytest.mark.parametrize("generation, expected", [
     ({"eos_token_id": [2, 7]}, {2, 7}), ({"eos_token_id": 5}, {5}), ({"bos_token_id": 1}, {3}), (None, {3}), ("{not json", {3}),
 ])

