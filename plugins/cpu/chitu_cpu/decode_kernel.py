@@ -35,43 +35,20 @@ MAX_HEAD_DIM = 1024
 _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <limits>
 #include <omp.h>
 
 typedef SCALAR T;  // q, k, v and the output: the model dtype
 typedef CACHE C;   // the cache's elements: T, or (contract 1.15) a float32 model's float16 or bfloat16
-// 16 lanes in GCC/Clang vector extensions: AVX-512 registers where the machine has them, else pairs or
-// quads of narrower ones
-typedef float V __attribute__((vector_size(64)));
-typedef float V8 __attribute__((vector_size(32)));
-typedef float V4 __attribute__((vector_size(16)));
-typedef int32_t VI __attribute__((vector_size(64)));
-typedef uint32_t VU __attribute__((vector_size(64)));
-typedef uint16_t VH __attribute__((vector_size(32)));
 typedef _Float16 VF16 __attribute__((vector_size(32)));
 constexpr int W = 16;
 constexpr int64_t AHEAD = 8;  // positions prefetched ahead: a sequence's blocks lie anywhere in the cache
 
 static inline V splat(float x) { return V{} + x; }
-static inline V load(const float* p) { V r; std::memcpy(&r, p, sizeof r); return r; }
-static inline V load(const uint16_t* p) {  // bfloat16: the upper half of a float32
-    VH h; std::memcpy(&h, p, sizeof h);
-    VU u = __builtin_convertvector(h, VU) << 16;
-    V r; std::memcpy(&r, &u, sizeof r); return r;
-}
 static inline V load(const _Float16* p) { VF16 h; std::memcpy(&h, p, sizeof h); return __builtin_convertvector(h, V); }
 static inline void store(float* p, V x) { std::memcpy(p, &x, sizeof x); }
 static inline float scalar(float x) { return x; }
 static inline float scalar(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-static inline float hsum(V x) {  // a tree: halves added, four times
-    V8 a, b; std::memcpy(&a, &x, 32); std::memcpy(&b, reinterpret_cast<const char*>(&x) + 32, 32);
-    a += b;
-    V4 c, d; std::memcpy(&c, &a, 16); std::memcpy(&d, reinterpret_cast<const char*>(&a) + 16, 16);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
 static inline float hmax(V x) { float s = x[0]; for (int i = 1; i < W; ++i) s = std::max(s, x[i]); return s; }
 static inline V vmax(V a, V b) { return a > b ? a : b; }
 template <typename P> static inline void prefetch(const P* p, int64_t bytes) {
@@ -88,14 +65,7 @@ static inline V vexp(V x) {  // e^x for x <= 0: 2^n e^r, |r| <= ln2 / 2, degree-
     V scale; std::memcpy(&scale, &bits, sizeof scale);
     return x < -87.f ? splat(0.f) : p * scale;
 }
-static inline void put(float* p, float x) { *p = x; }
 static inline void put(_Float16* p, float x) { *p = _Float16(x); }  // to nearest even, as torch rounds
-static inline void put(uint16_t* p, float x) {  // round to nearest even, as torch rounds float32 to bfloat16
-    uint32_t u; std::memcpy(&u, &x, 4);
-    if (std::isnan(x)) { *p = 0x7FC0; return; }
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    *p = uint16_t(u >> 16);
-}
 
 extern "C" void kernel(const T* q, const T* k, const T* v, C* cache, const int32_t* tables, const int32_t* seq_lens,
                        const int64_t* slots, T* out, float* work, const int64_t B, const int64_t Hq, const int64_t Hk,

@@ -34,29 +34,15 @@ log = logging.getLogger(__name__)
 Q8_0_BYTES = 34  # an fp16 scale and 32 int8
 
 _SOURCE = r"""
-#include <cstdint>
-#include <cstring>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 typedef SCALAR T;
-typedef float V __attribute__((vector_size(64)));
-typedef float V8 __attribute__((vector_size(32)));
-typedef float V4 __attribute__((vector_size(16)));
 typedef int8_t VB __attribute__((vector_size(16)));
-typedef int32_t VI __attribute__((vector_size(64)));
 typedef int16_t VS __attribute__((vector_size(32)));
-typedef uint32_t VU __attribute__((vector_size(64)));
-typedef uint16_t VH __attribute__((vector_size(32)));
 constexpr int64_t BYTES = 34, CHUNK = 64, AHEAD = 2;  // a chunk's 64 rows of blocks (39 KB at K = 576) stay in L2
 
-static inline V load(const float* p) { V r; std::memcpy(&r, p, sizeof r); return r; }
-static inline V load(const uint16_t* p) {  // bfloat16: the upper half of a float32
-    VH h; std::memcpy(&h, p, sizeof h);
-    VU u = __builtin_convertvector(h, VU) << 16;
-    V r; std::memcpy(&r, &u, sizeof r); return r;
-}
 static inline V quants(const uint8_t* p) {  // 16 int8 as floats
 #ifdef __AVX512F__  // one vpmovsxbd: GCC 12 widens int8 vectors to int32 lane by lane (scalar code)
     return (V)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -64,13 +50,6 @@ static inline V quants(const uint8_t* p) {  // 16 int8 as floats
     VB b; std::memcpy(&b, p, sizeof b);
     return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, VS), VI), V);
 #endif
-}
-static inline float hsum(V x) {  // halves added (shuffles, not memcpy: an accumulator whose address is taken is
-    // kept on the stack, and every FMA into it then goes through memory)
-    const V8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    const V4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (c[0] + c[2]) + (c[1] + c[3]);
 }
 static inline float half(const uint8_t* p) {  // an IEEE half float, little-endian, at p
     uint16_t h; std::memcpy(&h, p, 2);
@@ -83,14 +62,6 @@ static inline float half(const uint8_t* p) {  // an IEEE half float, little-endi
     float f; std::memcpy(&f, &u, 4); return f;
 #endif
 }
-static inline void put(float* p, float x) { *p = x; }
-static inline void put(uint16_t* p, float x) {  // round to nearest even, as torch rounds float32 to bfloat16
-    uint32_t u; std::memcpy(&u, &x, 4);
-    if (x != x) { *p = 0x7FC0; return; }
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    *p = uint16_t(u >> 16);
-}
-
 // rows m0 .. m0 + MT of x against rows n0 .. n0 + NT of the blocks
 template <int MT, int NT>
 static inline void tile(const T* x, const uint8_t* w, T* y, int64_t m0, int64_t n0, int64_t N, int64_t nb,

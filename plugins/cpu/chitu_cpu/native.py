@@ -1,6 +1,6 @@
 """Build a C++ function into a one-function Python extension, once per source, compiler and CPU.
 
-``build(name, source, argtypes)`` compiles ``source`` (which defines ``extern "C" void kernel(...)``) with
+``build(name, source, argtypes)`` compiles ``PRELUDE`` and ``source`` (which defines ``extern "C" void kernel(...)``) with
 the machine's C++ compiler (``$CXX``, else ``g++``): -O3, -march=native, OpenMP (the process's OpenMP
 runtime, the one PyTorch loaded, serves its parallel regions), plus a METH_FASTCALL binding whose
 arguments are ``argtypes`` in order: pointers passed as ints (``tensor.data_ptr()``), ``int64_t`` and
@@ -23,6 +23,41 @@ from pathlib import Path
 from chitu_core.loader.gguf import cache_root
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+// 16 float lanes in GCC/Clang vector extensions: AVX-512 registers where the machine has them, else pairs or
+// quads of narrower ones
+typedef float V __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+typedef int32_t VI __attribute__((vector_size(64)));
+typedef uint32_t VU __attribute__((vector_size(64)));
+typedef uint16_t VH __attribute__((vector_size(32)));
+
+static inline V load(const float* p) { V r; std::memcpy(&r, p, sizeof r); return r; }
+static inline V load(const uint16_t* p) {  // bfloat16: the upper half of a float32
+    VH h; std::memcpy(&h, p, sizeof h);
+    VU u = __builtin_convertvector(h, VU) << 16;
+    V r; std::memcpy(&r, &u, sizeof r); return r;
+}
+static inline float hsum(V x) {  // halves added, a tree (shuffles, not memcpy: an accumulator whose address is
+    // taken is kept on the stack, and every FMA into it then goes through memory)
+    const V8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const V4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+static inline void put(float* p, float x) { *p = x; }
+static inline void put(uint16_t* p, float x) {  // round to nearest even, as torch rounds float32 to bfloat16
+    uint32_t u; std::memcpy(&u, &x, 4);
+    if (x != x) { *p = 0x7FC0; return; }
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    *p = uint16_t(u >> 16);
+}
+"""
+"""What every kernel's source starts with (``build`` puts it first): the float vector ``V`` and its narrower
+halves, loads of float32 and bfloat16 rows, a horizontal sum, and stores that round to bfloat16."""
 
 
 def _binding(name: str, argtypes: list[str]) -> str:
@@ -68,7 +103,7 @@ def build(name: str, source: str, argtypes: list[str]):
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found; set CXX)")
-    text = source + _binding(name, argtypes)
+    text = PRELUDE + source + _binding(name, argtypes)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([text, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
     root = cache_root() / "kernels"
