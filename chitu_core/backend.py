@@ -218,6 +218,12 @@ class Backend(ABC):
         say how many rows it covers. Default: None, any number (the fused ops are as fast at every size)."""
         return None
 
+    def step_token_budget(self) -> int | None:
+        """(1.15) Optional: the most new tokens a step takes where the engine's ``max_num_batched_tokens`` is
+        left unset. A step's activations scale with its tokens; a host backend whose memory is the machine's
+        keeps a burst of prompts from prefilling at once. Default: None (the engine's 8192)."""
+        return None
+
     def pin_memory(self) -> bool:
         """Whether host staging buffers should be page-locked (``Tensor.pin_memory``) so that
         copies to the device run asynchronously. Default: no."""

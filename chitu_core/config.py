@@ -31,7 +31,8 @@ class EngineConfig(BaseSettings):
         "channel) or int4 (W4A16, groups of 128); quantized checkpoints need no flag")
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's)")
     max_num_seqs: int = Field(256, ge=1, description="most sequences in one step")
-    max_num_batched_tokens: int = Field(8192, ge=1, description="most new tokens in one step")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="most new tokens in one step (default: the backend's step_token_budget(), else 8192)")
     kv_cache_memory: int | None = Field(None, ge=1, description="bytes for the KV cache (default: the backend's budget)")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="share of the device's memory the engine may use in all (weights, activations, "

@@ -68,3 +68,23 @@ def test_the_cpu_kv_cache_is_resident_only_for_the_blocks_in_use_at_once(tmp_pat
     loaded = mine("VmRSS") - rss_before_load
     cache_mb = bm.num_blocks * block_mb  # the whole budget: 2048 sequences could use it
     assert cache_mb > 200 and loaded < cache_mb / 2, f"{loaded:.0f} MB more resident with a {cache_mb:.0f} MB cache"
+
+
+def test_the_cpu_backend_takes_at_most_512_new_tokens_a_step_unless_told(tmp_path):
+    """Contract 1.15's ``step_token_budget``: a CPU step's activations are host memory, so a burst of prompts
+    prefills 512 tokens a step (its scheduler chunks the rest), where the user sets no budget of their own."""
+    from builders import build_model
+    from chitu_core import LLM, SamplingParams
+    from chitu_core.backend import Backend
+
+    assert Backend.step_token_budget(None) is None  # the engine's 8192 for a backend that says nothing
+    build_model(tmp_path, "llama")
+    llm = LLM(tmp_path, device="cpu", dtype="float32", load_progress=False)
+    assert llm.engine.max_num_batched_tokens == llm.engine.scheduler.max_num_batched_tokens == 512
+    steps = []
+    step = llm.engine.step
+    llm.engine.step = lambda: steps.append(1) or step()
+    out = llm.generate([{"prompt_token_ids": [5 + i] * 300} for i in range(3)], SamplingParams(max_tokens=1))
+    assert len(steps) == 2 and all(len(o.outputs[0].token_ids) == 1 for o in out)  # 900 prompt tokens: 512 + 388
+    told = LLM(tmp_path, device="cpu", dtype="float32", load_progress=False, max_num_batched_tokens=64)
+    assert told.engine.scheduler.max_num_batched_tokens == 64

@@ -131,6 +131,7 @@ class LLMEngine:
             return_free_host_memory()  # the tensors packing replaced
 
         self.max_model_len = min(config.max_model_len or 1 << 62, model_cls.max_model_len(hf_config))
+        self.max_num_batched_tokens = config.max_num_batched_tokens or self.backend.step_token_budget() or 8192
         self.vocab_size = hf_config.vocab_size
         # Decode graphs cannot hold the host work of CPU experts (cpu_experts_for logged that it runs eagerly).
         self.graph_runner = None if config.enforce_eager or ctx.cpu_experts else self.backend.graph_runner()
@@ -145,7 +146,7 @@ class LLMEngine:
         self.attention.warmup()
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching,
                                           reuse_first=type(self.attention).commits_on_write)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
         self.tokenizer = model_dir.tokenizer()
         self.eos_token_ids = self._eos_ids(model_dir, hf_config)
         sync = (lambda: self.backend.synchronize(self.device_index)) if config.profile_steps else None
@@ -193,7 +194,7 @@ class LLMEngine:
             return config.kv_cache_memory
         if config.gpu_memory_utilization is None:
             return self.backend.kv_cache_budget(self.device_index)
-        step = lambda: largest_step(self.model, self.attention, self.num_layers, config.max_num_batched_tokens,  # noqa: E731
+        step = lambda: largest_step(self.model, self.attention, self.num_layers, self.max_num_batched_tokens,  # noqa: E731
                                     self.max_model_len, config.max_num_seqs, self.device, self.link)
         peak = self.backend.measure_peak_memory(step, self.device_index)
         if peak is None:

@@ -125,7 +125,7 @@ def scheduling_inputs(engine: LLMEngine) -> dict:
     config = engine.config
     return {"num_blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
             "max_model_len": engine.max_model_len, "max_num_seqs": config.max_num_seqs,
-            "max_num_batched_tokens": config.max_num_batched_tokens, "seed": config.seed,
+            "max_num_batched_tokens": engine.max_num_batched_tokens, "seed": config.seed,
             "enable_prefix_caching": config.enable_prefix_caching, "async_scheduling": engine.async_scheduling,
             "eos_token_ids": sorted(engine.eos_token_ids), "vocab_size": engine.vocab_size}
 
