@@ -34,10 +34,6 @@ log = logging.getLogger(__name__)
 Q8_0_BYTES = 34  # an fp16 scale and 32 int8
 
 _SOURCE = r"""
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 typedef SCALAR T;
 typedef int8_t VB __attribute__((vector_size(16)));
 typedef int16_t VS __attribute__((vector_size(32)));

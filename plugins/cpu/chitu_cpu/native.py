@@ -26,6 +26,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 PRELUDE = r"""
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 // 16 float lanes in GCC/Clang vector extensions: AVX-512 registers where the machine has them, else pairs or
 // quads of narrower ones
 typedef float V __attribute__((vector_size(64)));
@@ -37,9 +40,14 @@ typedef uint16_t VH __attribute__((vector_size(32)));
 
 static inline V load(const float* p) { V r; std::memcpy(&r, p, sizeof r); return r; }
 static inline V load(const uint16_t* p) {  // bfloat16: the upper half of a float32
+#ifdef __AVX512F__  // one vpmovzxwd: GCC 12 widens 16-bit vectors lane by lane (scalar code)
+    const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    return (V)_mm512_castsi512_ps(u);
+#else
     VH h; std::memcpy(&h, p, sizeof h);
     VU u = __builtin_convertvector(h, VU) << 16;
     V r; std::memcpy(&r, &u, sizeof r); return r;
+#endif
 }
 static inline float hsum(V x) {  // halves added, a tree (shuffles, not memcpy: an accumulator whose address is
     // taken is kept on the stack, and every FMA into it then goes through memory)
