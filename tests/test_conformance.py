@@ -231,6 +231,8 @@ def test_the_unplanted_control_passes():
     assert {(r.row, r.status) for r in results} == {("rms_norm", "fallback"), ("silu_and_mul", "fallback"),
                                                     ("attention/reference", "pass"),
                                                     ("attention/reference/fp8-kv", "pass"),
+                                                    ("attention/reference/f16-kv", "pass"),
+                                                    ("attention/reference/bf16-kv", "pass"),
                                                     ("attention/reference/softcap", "pass"),
                                                     ("attention/reference/window", "pass"),
                                                     ("attention/reference/softcap+window", "pass"),
