@@ -50,6 +50,10 @@ class EngineConfig(BaseSettings):
         "the host's work overlaps the device's (a sequence that stops wastes one row of the step after; "
         "profile_steps turns it off)")
     max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured as a graph")
+    max_prefill_graph_tokens: int = Field(
+        4096, ge=0, description="largest step of prompts (new tokens, with or without decodes beside them) captured as "
+        "a graph, in buckets of 16 to this (at most max_num_batched_tokens), where the backend captures graphs and its "
+        "attention allows it (captures_prefill); larger steps run eagerly; 0: every such step runs eagerly")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the attention backend's)")
     kv_cache_dtype: Literal["auto", "model", "fp8", "float16", "bfloat16"] = Field(

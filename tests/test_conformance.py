@@ -219,9 +219,10 @@ def test_planted_fault_fails_its_cases(fault):
     assert failed and all(re.search(detail, r.detail) for r in failed), [r.detail for r in failed]
     if fault == "wrong op":  # eps matters where mean(x**2) is near eps: that case must be among the failures
         assert any("eps=0.001" in r.label for r in failed)
-    else:  # every case fails but the variant and fused-RoPE rows, which an attention with forward alone declines
+    else:  # every case fails but the variant, fused-RoPE and graph rows, which an attention with forward alone declines
         declined = [r for r in results if r.status == "unsupported"]
-        variants = {"softcap", "window", "softcap+window", "rotary", "rotary+qk_norm"} if fault.startswith("KV") else set()
+        variants = ({"softcap", "window", "softcap+window", "rotary", "rotary+qk_norm", "graph-prefill"}
+                    if fault.startswith("KV") else set())
         assert {r.row.rsplit("/", 1)[1] for r in declined} == variants
         assert len(failed) + len(declined) == len(results), [r.label for r in results if r.status != "fail"]
 
@@ -237,7 +238,8 @@ def test_the_unplanted_control_passes():
                                                     ("attention/reference/window", "pass"),
                                                     ("attention/reference/softcap+window", "pass"),
                                                     ("attention/reference/rotary", "unsupported"),  # no fused RoPE
-                                                    ("attention/reference/rotary+qk_norm", "unsupported")}
+                                                    ("attention/reference/rotary+qk_norm", "unsupported"),
+                                                    ("attention/reference/graph-prefill", "unsupported")}  # 1.16
 
 
 # ----- end to end -----

@@ -238,9 +238,8 @@ def test_a_conversion_that_fails_in_its_child_says_why(tmp_path):
 def test_eos_ids_read_generation_config_json(tmp_path, generation, expected):
     from types import SimpleNamespace
 
-    from chitu_core.engine.engine import LLMEngine
+    from chitu_core.loader.hf import eos_token_ids
 
     if generation is not None:
         (tmp_path / "generation_config.json").write_text(generation if isinstance(generation, str) else json.dumps(generation))
-    engine = SimpleNamespace(tokenizer=None)
-    assert LLMEngine._eos_ids(engine, SimpleNamespace(path=tmp_path), SimpleNamespace(eos_token_id=3)) == expected
+    assert eos_token_ids(tmp_path, SimpleNamespace(eos_token_id=3)) == expected

@@ -476,3 +476,30 @@ def test_fused_rotary_conformance_rows_pass_and_catch_a_skipped_norm():
     assert statuses(attention.TritonPagedAttention) == ({}, 5)
     assert statuses(SkipsNorm)[0] == {"attention/triton/rotary+qk_norm": "fail"}
     assert set(statuses(Unrotated)[0].values()) == {"fail"} and len(statuses(Unrotated)[0]) == 2
+
+
+def test_graph_prefill_conformance_rows_pass_and_catch_unfinished_padding():
+    """The suite's ``attention/NAME/graph-prefill`` rows (contract 1.16: a prefill graph's layout, bounds for
+    maxima, the padding's own sequence, empty sequence slots) pass on the Triton attention, which sets
+    ``captures_prefill``; one that leaves the padding's rows unfinished fails them all."""
+    from chitu_core.conformance.case import Target
+    from chitu_core.conformance.runner import Session, build_cases
+    from chitu_core.conformance.thresholds import ThresholdBook
+    from chitu_core.ops.table import resolve_ops
+    from chitu_cpu.backend import CpuBackend
+
+    class PaddingUnfinished(attention.TritonPagedAttention):
+        def attend(self, q, kv_cache, meta, scale, *args, **kwargs):
+            out = super().attend(q, kv_cache, meta, scale, *args, **kwargs)
+            return out.masked_fill((meta.slot_mapping < 0)[:, None, None], float("nan"))
+
+    def statuses(attn_cls):
+        backend = CpuBackend()
+        backend.attention_backends = lambda: {"triton": attn_cls}
+        target = Target(backend, resolve_ops("cpu", backend.native_ops()), torch.device("cpu"), ThresholdBook())
+        results = Session(target, build_cases(target, (torch.float32,), "attention/triton/graph-prefill")).run_all()
+        return [r.status for r in results]
+
+    assert attention.TritonPagedAttention.captures_prefill
+    assert statuses(attention.TritonPagedAttention) == ["pass"] * 3
+    assert statuses(PaddingUnfinished) == ["fail"] * 3

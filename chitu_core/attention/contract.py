@@ -96,6 +96,15 @@ class PagedKVBackend(ABC):
     supports_16bit_kv_cache: ClassVar[bool] = False
     """Contract 1.15: whether this backend can keep a float32 model's cache in float16 or bfloat16 (see the
     module). Default False: such a request is a one-line error naming the class."""
+    captures_prefill: ClassVar[bool] = False
+    """Contract 1.16: True where a step of prompts may be recorded in the engine's device graphs (the
+    backend's ``GraphRunner``) and replayed for other steps of as many tokens or fewer: ``prepare`` plans
+    from ``max_query_len`` and ``max_seq_len`` as upper bounds (the graph's token count and the model's
+    context; the block tables are as wide as that bound's blocks), and the attention reads everything
+    else from the metadata's tensors on the device, never the host (no ``.item()``, no host lists).
+    Sequences with no new tokens may follow the real ones; padding rows form a sequence of their own
+    (nothing cached, slots -1), whose outputs must be finite.
+    Default False: such steps run eagerly, as before."""
     num_kv_scales: ClassVar[int] = 2
     """Scales of one layer's fp8 cache: keys and values (latent attention: 1)."""
     commits_on_write: ClassVar[bool] = False

@@ -23,6 +23,11 @@ saturate. A backend class that does not set ``supports_fp8_kv_cache`` has these 
 in float16 or bfloat16, against dense attention over the keys and values rounded to it (to nearest even).
 A class that does not set ``supports_16bit_kv_cache`` has them declined.
 
+Prefill graphs (contract 1.16), rows ``attention/NAME/graph-prefill``: step 2 as the engine's prefill graphs
+lay it out (``chitu_core.engine.prefill_graphs``): the padding rows form one sequence of their own (nothing
+cached, slots -1), sequence slots with no tokens follow, ``max_query_len`` / ``max_seq_len`` are bounds
+above the real maxima, and the block tables are as wide as the ``max_seq_len`` bound's blocks. A class that does not set ``captures_prefill`` has them declined.
+
 Variants (contract 1.6), rows ``attention/NAME/softcap``, ``/window`` and ``/softcap+window``: the
 same steps with the logits capped and a sliding window narrower than the contexts (decodes, chunked
 prefills and prefills cross it); a backend class whose ``variants`` lacks one has its cases declined.
@@ -62,6 +67,7 @@ class Plan:
     padding: int = 0  # padding rows (slot -1) ending the step-2 batch
     softcap: float | None = None  # contract 1.6 variants
     window: int | None = None
+    graph: int = 0  # contract 1.16, plans of a "graph" kind: empty sequence slots after the padding's sequence
 
     @property
     def variant(self) -> dict:
@@ -108,6 +114,12 @@ HALF_PLANS = [  # float32 cases at the default block size only
     Plan("decode", 8, 1, 128, ((33, 1), (130, 1), (2, 1)), cache_dtype="bfloat16"),
 ]
 HALF_ROWS = {"float16": "f16-kv", "bfloat16": "bf16-kv"}
+GRAPH_PLANS = [  # at the default block size only; step 2's bounds: 32 new tokens, a context of 4096
+    Plan("graph mixed", 8, 2, 64, ((0, 11), (20, 1), (37, 5)), padding=15, graph=3),
+    Plan("graph prefill", 4, 4, 64, ((0, 19), (0, 1)), layout="contiguous", padding=12, graph=1),
+    Plan("graph decode", 8, 1, 128, ((33, 1), (130, 1)), padding=30, graph=0),
+]
+GRAPH_MAX_SEQ_LEN = 4096
 
 
 def read_back(x: Tensor, kv_scale: float | None, cache_dtype: str | None = None) -> Tensor:
@@ -140,6 +152,12 @@ def fp8_declined(attn_cls: type, plan) -> str:
     if plan.kv_scale is None or attn_cls.supports_fp8_kv_cache:
         return ""
     return f"{attn_cls.__name__} does not set supports_fp8_kv_cache (contract 1.2)"
+
+
+def graph_declined(attn_cls: type, plan) -> str:
+    if plan.kind.startswith("graph") and not getattr(attn_cls, "captures_prefill", False):
+        return f"{attn_cls.__name__} does not set captures_prefill (contract 1.16)"
+    return ""
 
 
 def variant_declined(attn_cls: type, plan) -> str:
@@ -200,7 +218,15 @@ class Step:
         self.host = (randn(gen, total, hq, d, dtype=dtype), randn(gen, total, hk, d, dtype=dtype),
                      randn(gen, total, hk, d, dtype=dtype))
         self.operands = [guard(t, device, plan.layout) for t in self.host]
-        meta = metadata(tables, contexts + [0] * padding, news + [1] * padding, attn.block_size)
+        graph = padding and plan.kind.startswith("graph")
+        if graph:  # a prefill graph's layout: the padding's own sequence, then empty sequence slots, and
+            width = -(-GRAPH_MAX_SEQ_LEN // attn.block_size)  # tables as wide as the bound's blocks
+            tables = torch.cat([tables, tables[:, :1].expand(-1, max(0, width - tables.shape[1]))], 1)
+            meta = metadata(tables, contexts + [0] * (1 + plan.graph), news + [padding] + [0] * plan.graph,
+                            attn.block_size)
+            meta.max_query_len, meta.max_seq_len = total, GRAPH_MAX_SEQ_LEN
+        else:
+            meta = metadata(tables, contexts + [0] * padding, news + [1] * padding, attn.block_size)
         meta.slot_mapping[sum(news):] = -1
         self.meta_guards = [guard(getattr(meta, f), device) for f in ("slot_mapping", "block_tables", "seq_lens",
                                                                       "context_lens", "query_start_loc")]
@@ -238,7 +264,7 @@ class Step:
         if problem := check_tensor(out, shape, self.host[0].dtype, self.operands[0].view.device, "output"):
             return None, problem
         if not bool(out[self.real :].isfinite().all()):
-            return None, "padding rows (slot -1, sequence length 1) gave non-finite outputs"
+            return None, "padding rows (slot -1, a sequence of their own) gave non-finite outputs"
         return out, ""
 
     def per_sequence(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -258,7 +284,8 @@ def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan
         attn = attn_cls(plan.num_heads, plan.num_kv_heads, plan.head_dim, block_size, dtype, device)
         attn.set_kv_cache_dtype(plan.cache_dtype or ("auto" if plan.kv_scale is None else "fp8"))
         contexts, news = [c for c, _ in plan.seqs], [n for _, n in plan.seqs]
-        tables, num_blocks = allocate_blocks(gen, [c + n for c, n in plan.seqs] + [1] * plan.padding, block_size)
+        padding = [plan.padding] + [1] * plan.graph if plan.kind.startswith("graph") else [1] * plan.padding
+        tables, num_blocks = allocate_blocks(gen, [c + n for c, n in plan.seqs] + padding, block_size)
         cache = GuardedCache.allocate(attn, num_blocks + 1)  # no table names the last block: slot -1 wraps there
     except Exception as exc:  # construction is part of what the backend declared it supports
         return Outcome(raised(exc, f"{attn_cls.__name__} construction").verdict, source)
@@ -322,7 +349,7 @@ def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
         default = cls.block_sizes[0]
         plans = ([(p, default) for p in PLANS] + [(SWEEP, bs) for bs in cls.block_sizes[1:]]
                  + [(p, default) for p in FP8_PLANS] + [(p, default) for p in VARIANT_PLANS]
-                 + [(p, default) for p in HALF_PLANS])
+                 + [(p, default) for p in HALF_PLANS] + [(p, default) for p in GRAPH_PLANS])
         for dtype in dtypes:
             for plan, bs in plans:
                 if plan.cache_dtype is not None and dtype != torch.float32:
@@ -335,11 +362,14 @@ def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
                 label = (f"{plan.kind} Hq={plan.num_heads} Hk={plan.num_kv_heads} D={plan.head_dim} bs={bs} "
                          f"ctx+new={lens}" + (f" scale={plan.scale}" if plan.scale else ""))
                 row, label = fp8_row(plan, f"attention/{name}", label, params)
+                if plan.kind.startswith("graph"):
+                    row, label = f"{row}/graph-prefill", label + f" empty*{plan.graph} bounds"
                 if plan.variant:
                     row = f"{row}/{'+'.join(sorted(plan.variant))}"
                     label += "".join(f" {k}={v}" for k, v in plan.variant.items())
                     params.update(plan.variant)
                 cases.append(Case(row, "attention", "attention", dtype, params, label,
                                   partial(run_attention_case, cls, source, plan, bs),
-                                  declined=fp8_declined(cls, plan) or variant_declined(cls, plan)))
+                                  declined=fp8_declined(cls, plan) or variant_declined(cls, plan)
+                                  or graph_declined(cls, plan)))
     return cases

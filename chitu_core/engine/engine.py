@@ -10,7 +10,6 @@ import os
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
@@ -22,9 +21,10 @@ from chitu_core.distributed.pipeline import StageLink, micro_batches
 from chitu_core.engine.block_manager import BlockManager
 from chitu_core.engine.detokenizer import IncrementalDetokenizer
 from chitu_core.engine.graphs import DecodeGraphs
-from chitu_core.engine.memory import kv_budget_from_profile, largest_step
+from chitu_core.engine.memory import added_peak, kv_budget_from_profile, largest_step
 from chitu_core.engine.model_runner import ModelRunner, PendingStep, StepResult
-from chitu_core.engine.outputs import CompletionOutput, RequestOutput
+from chitu_core.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from chitu_core.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from chitu_core.engine.scheduler import ScheduledBatch, Scheduler
 from chitu_core.engine.sequence import Request, Sequence
 from chitu_core.errors import ChituError
@@ -34,7 +34,7 @@ from chitu_core.layers.layout import pack_linear_layers, store_linear_weights_tr
 from chitu_core.layers.stage import stage_layers
 from chitu_core.loader.dummy import fill_dummy_weights
 from chitu_core.loader.gguf import resolve_model
-from chitu_core.loader.hf import open_model_dir
+from chitu_core.loader.hf import eos_token_ids, open_model_dir
 from chitu_core.ops.table import with_checks_if_asked
 from chitu_core.plugins.discovery import backend_ops, get_backend, load_model_class
 from chitu_core.quantization.kv_scales import load_kv_scales, resolve_kv_cache_dtype
@@ -54,25 +54,6 @@ def _resolve_dtype(requested: str, checkpoint: torch.dtype | None, supported: tu
             raise ChituError(f"backend {backend!r} does not support dtype {requested}; it supports {names}")
         return dtype
     return checkpoint if checkpoint in supported else supported[0]
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine started, and the state now."""
-
-    num_steps: int = 0
-    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model (prefix-cache hits excluded)
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of which found
-    num_waiting: int = 0
-    num_running: int = 0
-    kv_usage: float = 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class LLMEngine:
@@ -138,6 +119,10 @@ class LLMEngine:
         self.max_graph_batch = min(config.max_num_seqs, config.max_graph_batch_size)
         # A pipeline stage caches its own layers only; the others' entries stay empty.
         self.link = StageLink(self.parallel, hf_config.hidden_size, self.dtype, self.device) if self.parallel.pp_size > 1 else None
+        # Steps of prompts replay graphs of up to this many new tokens (0: none; not under pipeline parallelism).
+        self.prefill_graph_tokens = 0
+        if self.graph_runner is not None and self.link is None and self.attention.captures_prefill:
+            self.prefill_graph_tokens = min(config.max_prefill_graph_tokens, self.max_num_batched_tokens)
         self.num_layers = geometry.num_layers
         local = stage_layers(geometry.num_layers, self.parallel.pp_size, self.parallel.pp_rank)
         num_blocks = self._num_blocks(len(local), block_size)
@@ -148,17 +133,13 @@ class LLMEngine:
                                           reuse_first=type(self.attention).commits_on_write)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
         self.tokenizer = model_dir.tokenizer()
-        self.eos_token_ids = self._eos_ids(model_dir, hf_config)
+        self.eos_token_ids = eos_token_ids(model_dir.path, hf_config, self.tokenizer)
         sync = (lambda: self.backend.synchronize(self.device_index)) if config.profile_steps else None
         self.runner = ModelRunner(self.model, self.attention, kv_caches, Sampler(self.ops), self.device,
                                   self.vocab_size, self.eos_token_ids, sync, self.backend.completion_event)
         self.runner.parallel, self.runner.link = self.parallel, self.link
         if self.graph_runner is not None:
-            self.runner.graphs = DecodeGraphs(self.model, self.attention, kv_caches, self.graph_runner,
-                                              self.max_graph_batch, self.max_model_len, self.device,
-                                              self.backend.pin_memory(), self.link)
-            with torch.inference_mode():
-                self.runner.graphs.capture()
+            self._capture_graphs(kv_caches)
         self.requests: dict[str, Request] = {}
         # Launched steps whose tokens the host has not processed yet, oldest first: one, or under
         # pipeline parallelism one for each group of a decode batch (``pipeline``).
@@ -186,6 +167,23 @@ class LLMEngine:
         self.stats = EngineStats()
         log.info("compiled the forward in %.1f s", time.perf_counter() - start)
 
+    def _capture_graphs(self, kv_caches: list[torch.Tensor]) -> None:
+        """Capture the prefill graphs (their activations are the largest), then the decode graphs."""
+        self.runner.graphs = DecodeGraphs(self.model, self.attention, kv_caches, self.graph_runner, self.max_graph_batch,
+                                          self.max_model_len, self.device, self.backend.pin_memory(), self.link)
+        with torch.inference_mode():
+            if prefill_buckets(self.prefill_graph_tokens):
+                graphs = PrefillGraphs(self.model, self.attention, kv_caches, self.graph_runner, self.prefill_graph_tokens,
+                                       self.config.max_num_seqs, self.max_model_len, self.device, self.backend.pin_memory())
+                try:
+                    graphs.capture()
+                except Exception as exc:
+                    raise ChituError(f"capturing the prefill graphs failed ({type(exc).__name__}: {exc}); set "
+                                     "max_prefill_graph_tokens=0 (--max-prefill-graph-tokens 0) to run those steps "
+                                     "eagerly") from exc
+                self.runner.prefill_graphs = graphs
+            self.runner.graphs.capture()
+
     def _kv_budget(self) -> int:
         """Bytes for the KV cache: kv_cache_memory if set; else, with gpu_memory_utilization, that share
         of the device less a profiled largest step and the graphs' reserve; else the backend's budget."""
@@ -193,7 +191,7 @@ class LLMEngine:
         if config.kv_cache_memory:
             return config.kv_cache_memory
         if config.gpu_memory_utilization is None:
-            return self.backend.kv_cache_budget(self.device_index)
+            return max(0, self.backend.kv_cache_budget(self.device_index) - self._prefill_graph_reserve())
         step = lambda: largest_step(self.model, self.attention, self.num_layers, self.max_num_batched_tokens,  # noqa: E731
                                     self.max_model_len, config.max_num_seqs, self.device, self.link)
         peak = self.backend.measure_peak_memory(step, self.device_index)
@@ -201,17 +199,27 @@ class LLMEngine:
             raise ChituError(f"backend {self.backend.name!r} cannot measure device memory, so gpu_memory_utilization "
                              "cannot be applied; set kv_cache_memory (bytes) instead")
         total = self.backend.memory_info(self.device_index).total_bytes
-        # Decode graphs keep their logits, plus some activations, for good; sampling upcasts them.
+        # Decode graphs keep their logits, plus some activations, for good (sampling upcasts them); prefill graphs
+        # their activations.
         reserve = 0 if self.graph_runner is None else self.max_graph_batch * self.vocab_size * 8 + (256 << 20)
+        reserve += self._prefill_graph_reserve()
         budget = kv_budget_from_profile(total, config.gpu_memory_utilization, peak, reserve)
         log.info("memory: %.2f GiB total, peak of the largest step %.2f GiB, graph reserve %.2f GiB -> KV cache %.2f GiB",
                  total / 2**30, peak / 2**30, reserve / 2**30, budget / 2**30)
         if budget <= 0:
             raise ChituError(
                 f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves nothing for the "
-                f"KV cache: the largest step peaks at {peak / 2**30:.2f} GiB (weights included) and decode graphs reserve "
-                f"{reserve / 2**30:.2f} GiB; raise it, or lower max_num_batched_tokens / max_num_seqs")
+                f"KV cache: the largest step peaks at {peak / 2**30:.2f} GiB (weights included) and graphs reserve "
+                f"{reserve / 2**30:.2f} GiB; raise it, or lower max_num_batched_tokens / max_num_seqs / max_prefill_graph_tokens")
         return budget
+
+    def _prefill_graph_reserve(self) -> int:
+        """What a step of the largest prefill graph adds to the memory at rest (its graphs keep it for good)."""
+        if not prefill_buckets(self.prefill_graph_tokens):
+            return 0
+        return added_peak(self.backend, self.device_index, lambda: largest_step(
+            self.model, self.attention, self.num_layers, self.prefill_graph_tokens, self.max_model_len, 1, self.device,
+            self.link))
 
     def _num_blocks(self, num_layers: int, block_size: int) -> int:
         """KV blocks for ``num_layers`` layers (this pipeline stage's), the same on every rank."""
@@ -237,23 +245,6 @@ class LLMEngine:
             log.warning("capping max_model_len at %d tokens, what the KV cache holds", num_blocks * block_size)
             self.max_model_len = num_blocks * block_size
         return num_blocks
-
-    def _eos_ids(self, model_dir, hf_config) -> set[int]:
-        """generation_config.json's eos_token_id (an id or a list), else config.json's, else the tokenizer's."""
-        import json
-        from pathlib import Path
-
-        ids = getattr(hf_config, "eos_token_id", None)
-        file = Path(model_dir.path) / "generation_config.json"
-        try:
-            ids = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id") or ids
-        except FileNotFoundError:
-            pass
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:  # as transformers did: use the others
-            log.warning("ignoring %s, which is not a readable JSON object (%s)", file, exc)
-        if ids is None and self.tokenizer is not None:
-            ids = self.tokenizer.eos_token_id
-        return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
 
     # --- the interface ------------------------------------------------------------------------
 

@@ -46,6 +46,14 @@ def largest_step(model, attention: AttentionBackend, num_layers: int, num_tokens
     model.compute_logits(hidden[rows]).float().softmax(dim=-1)  # as a sampling step upcasts them
 
 
+def added_peak(backend, index: int, fn) -> int:
+    """What running ``fn`` adds to the device memory held at rest (``Backend.measure_peak_memory`` of ``fn``
+    less that of nothing), or 0 where the backend cannot measure it."""
+    idle = backend.measure_peak_memory(lambda: None, index)
+    peak = None if idle is None else backend.measure_peak_memory(fn, index)
+    return 0 if peak is None else max(0, peak - idle)
+
+
 def kv_budget_from_profile(total_bytes: int, utilization: float, peak_bytes: int, reserve_bytes: int) -> int:
     """What is left for the KV cache of ``utilization`` of ``total_bytes`` after the profiled peak
     and a reserve (decode graphs, sampling tables); may be negative (the caller says why)."""

@@ -15,7 +15,9 @@ from chitu_core.attention.contract import AttentionBackend, AttentionMetadata
 from chitu_core.distributed.parallel import Parallel
 from chitu_core.distributed.pipeline import StageLink
 from chitu_core.engine.graphs import DecodeGraphs
+from chitu_core.engine.prefill_graphs import PrefillGraphs
 from chitu_core.engine.scheduler import ScheduledBatch
+from chitu_core.engine.step_inputs import host_step
 from chitu_core.layers.context import StepContext
 from chitu_core.sampling.grammar import Constraints
 from chitu_core.sampling.sampler import Sampler, SamplingBatch
@@ -92,6 +94,7 @@ class ModelRunner:
         self.synchronize = synchronize  # when set (profiling), called after the forward to time it
         self.last_forward_seconds = 0.0
         self.graphs: DecodeGraphs | None = None  # set by the engine where the backend captures graphs
+        self.prefill_graphs: PrefillGraphs | None = None  # set by the engine where the attention allows them
         self.constraints: Constraints | None = None  # set by the engine with its first structured-output request
         self.parallel: Parallel | None = None  # set by the engine with ``link`` under pipeline parallelism
         self.link: StageLink | None = None  # this rank's ends of the pipeline; only the last stage samples
@@ -104,6 +107,14 @@ class ModelRunner:
             return None
         return self.graphs.bucket(len(batch.seqs))  # None past the largest
 
+    def prefill_size(self, batch: ScheduledBatch, ids: torch.Tensor | None) -> int | None:
+        """The captured token count a step that is not a pure decode replays (``prefill_graphs``), or
+        None to run it eagerly: no prefill graphs, a continuation (its ids are on the device), or too many
+        new tokens."""
+        if self.prefill_graphs is None or ids is not None:
+            return None
+        return self.prefill_graphs.bucket(sum(batch.num_new_tokens))
+
     def _to_device(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
@@ -111,35 +122,21 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """token_ids and positions [T], and the step's attention metadata, built vectorized.
         ``ids``: the token ids already on the device (a continuation, one token per sequence)."""
-        seqs, query_lens = batch.seqs, batch.num_new_tokens
+        h = host_step(batch, self.block_size, with_ids=ids is None)
         if ids is None:
-            host_ids: list[int] = []
-            for seq, n in zip(seqs, query_lens):
-                host_ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
-            ids = self._to_device(host_ids, torch.int64)
-        context = [s.num_computed_tokens for s in seqs]
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        ctx = torch.tensor(context, dtype=torch.int64)
-        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        positions = torch.arange(int(qsl[-1])) - qsl[seq_idx] + ctx[seq_idx]
-        slots = tables[seq_idx, positions // self.block_size].long() * self.block_size + positions % self.block_size
-        seq_lens = ctx + q_lens
+            ids = self._to_device(h.ids, torch.int64)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(self.device, non_blocking=True),
-            block_tables=tables.to(self.device, non_blocking=True),
-            seq_lens=seq_lens.to(torch.int32).to(self.device, non_blocking=True),
-            context_lens=ctx.to(torch.int32).to(self.device, non_blocking=True),
-            query_start_loc=qsl.to(torch.int32).to(self.device, non_blocking=True),
-            max_query_len=max(query_lens),
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=h.slots.to(self.device, non_blocking=True),
+            block_tables=h.tables.to(self.device, non_blocking=True),
+            seq_lens=h.seq_lens.to(torch.int32).to(self.device, non_blocking=True),
+            context_lens=h.context.to(torch.int32).to(self.device, non_blocking=True),
+            query_start_loc=h.query_start.to(torch.int32).to(self.device, non_blocking=True),
+            max_query_len=h.max_query_len,
+            max_seq_len=int(h.seq_lens.max()),
             block_size=self.block_size,
         )
         meta.backend_state = self.attention.prepare(meta)
-        return ids, positions.to(self.device, non_blocking=True), meta
+        return ids, h.positions.to(self.device, non_blocking=True), meta
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, ids: torch.Tensor | None = None, ahead: int = 0) -> PendingStep:
@@ -206,11 +203,16 @@ class ModelRunner:
             return sampling, out
         if self.graphs is not None:
             self.graphs.invalidate()
-        token_ids, positions, meta = self.prepare(batch, ids)
-        # A model outside a pipeline may take the contract's three arguments only.
-        received = () if link is None or link.first else (link.receive(token_ids.shape[0]),)
-        self._forward_start = self._forward_start or time.perf_counter()
-        hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches), *received)
+        size = self.prefill_size(batch, ids)
+        if size is not None:
+            self._forward_start = self._forward_start or time.perf_counter()
+            hidden = self.prefill_graphs.run(batch, size)
+        else:
+            token_ids, positions, meta = self.prepare(batch, ids)
+            # A model outside a pipeline may take the contract's three arguments only.
+            received = () if link is None or link.first else (link.receive(token_ids.shape[0]),)
+            self._forward_start = self._forward_start or time.perf_counter()
+            hidden = self.model(token_ids, positions, StepContext(meta, self.kv_caches), *received)
         ends = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
         sampling = [i for i, (s, end) in enumerate(zip(batch.seqs, ends)) if end == s.num_tokens + ahead]
         if link is not None and not link.last:

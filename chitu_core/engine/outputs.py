@@ -54,3 +54,22 @@ def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         m.finish_reason, m.stop_reason, m.cumulative_logprob = c.finish_reason, c.stop_reason, c.cumulative_logprob
     return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids, [merged[i] for i in sorted(merged)],
                          later.finished, True, later.metrics)
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started, and the state now."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model (prefix-cache hits excluded)
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

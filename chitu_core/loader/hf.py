@@ -11,6 +11,7 @@ and, where there are several, their index). ``HFModelDir.for_rank`` picks a rank
 """
 
 import json
+import logging
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -22,6 +23,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from chitu_core.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 COMPLETE_CONFIG_MARKER = "chitu-gguf.json"  # a GGUF conversion's marker; "complete_config": true lets config.json skip transformers
@@ -208,3 +211,18 @@ def _sharded_for(path: Path, config) -> int | None:
         raise ModelLoadError(f"{path / 'config.json'}: {TENSOR_PARALLEL_FIELD} is {field!r}, not "
                              '{"size": N} with N a positive integer')
     return size
+
+
+def eos_token_ids(path: str | Path, hf_config, tokenizer=None) -> set[int]:
+    """generation_config.json's eos_token_id (an id or a list), else config.json's, else the tokenizer's."""
+    ids = getattr(hf_config, "eos_token_id", None)
+    file = Path(path) / "generation_config.json"
+    try:
+        ids = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id") or ids
+    except FileNotFoundError:
+        pass
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:  # as transformers did: use the others
+        log.warning("ignoring %s, which is not a readable JSON object (%s)", file, exc)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    return set(ids if isinstance(ids, list) else [] if ids is None else [ids])

@@ -42,6 +42,7 @@ class TritonPagedAttention(AttentionBackend):
     block_sizes = (16, 1, 8, 32, 64, 128)
     fuses_rotary = True
     fuses_qk_norm = True
+    captures_prefill = True  # contract 1.16: plans from host ints (bounds serve), reads the rest on the device
     supports_fp8_kv_cache = True
     variants = VARIANTS  # contract 1.6: the logit cap and the sliding window, in the kernel
     force_num_splits: int | None = None
