@@ -176,3 +176,17 @@ def test_moe_floor_counts_the_routed_experts(tmp_path):
     # Batch 1: each decode step's token goes to its top-2, two distinct experts in each of the 2 layers.
     assert f["expert_bytes_routed_mean"] == 2 * 2 * per_expert
     assert f["weight_bytes"] == r["model_config"]["num_parameters"] * 4 - 512 * 64 * 4 - 6 * 2 * per_expert
+
+
+def test_report_of_a_prefill_graphs_check(tmp_path):
+    """``prefill_graphs_check.py``'s JSON renders as its section: the token rows and the step times with their ratio."""
+    check = {"device": "Acme X1", "torch": "2.13.0", "tokens": [
+        {"arch": "llama", "chunks": None, "graphs_on": True, "equal": 8, "of": 8, "max_logprob_diff": 4.77e-07},
+        {"arch": "qwen3", "chunks": 48, "graphs_on": True, "equal": 7, "of": 8, "max_logprob_diff": 0.5}],
+        "steps": [{"requests": 1, "tokens": 128, "eager_ms": 20.68, "graph_ms": 7.81}]}
+    (tmp_path / "prefill_graphs_check.json").write_text(json.dumps(check))
+    page = bench("report", str(tmp_path)).splitlines()
+    start = page.index("## Prefill steps in graphs (`plugins/nvidia/scripts/prefill_graphs_check.py`)")
+    assert "| llama | whole | True | 8 / 8 | 4.77e-07 |" in page[start:]
+    assert "| qwen3 | 48 | True | 7 / 8 | 5.00e-01 |" in page[start:]
+    assert "| 1 | 128 | 20.68 | 7.81 | 2.65x |" in page[start:]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from chitu_core.bench.report_backends import emulation_table, emulation_tokens_lines
-from chitu_core.bench.report_kernels import attention_sweep_lines, breakdown_lines
+from chitu_core.bench.report_kernels import attention_sweep_lines, breakdown_lines, prefill_graphs_lines
 from chitu_core.bench.report_scaleout import allreduce_lines, cpu_experts_lines, scaling_table, tokens_line
 from chitu_core.bench.server_memory import render as render_memory
 
@@ -200,7 +200,7 @@ def render(directory: Path) -> str:
     if "emulation" in loaded:
         lines += ["## Greedy tokens in emulation (`plugins/nvidia/scripts/emulation_check.py`)", "",
                   *emulation_tokens_lines(loaded["emulation"]), ""]
-    if any(r.get("floor_ranks") for _, r in offline):
+    if len(scaling_table(offline)) > 2:  # a multi-rank run with its one-rank run beside it
         lines += ["## Several ranks against one", "",
                   "Each multi-rank run (torchrun, one process a GPU; its floor: every rank's own bytes over its own "
                   "bandwidth, the slowest rank of each pipeline stage, the stages in turn; where a pipeline's decode "
@@ -217,6 +217,9 @@ def render(directory: Path) -> str:
     if "cpu_experts" in loaded:
         lines += ["## MoE experts on the CPU (`plugins/nvidia/scripts/cpu_experts_check.py`)", "",
                   *cpu_experts_lines(loaded["cpu_experts"]), ""]
+    if "prefill_graphs_check" in loaded:
+        lines += ["## Prefill steps in graphs (`plugins/nvidia/scripts/prefill_graphs_check.py`)", "",
+                  *prefill_graphs_lines(loaded["prefill_graphs_check"]), ""]
     if serves:
         total = next((r for n, r in offline if n.endswith("-total")), None)
         lines += ["## Serving (`bench serve`) against offline", "", *serve_table(serves, total), ""]

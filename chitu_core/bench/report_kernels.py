@@ -29,3 +29,22 @@ def breakdown_lines(result: dict[str, Any]) -> list[str]:
         gbps = "-" if r["gbps"] is None else f"{r['gbps']:.0f}"
         lines.append(f"| `{r['site']}` | {r['kind']} | {r['calls']:g} | {r['us']:.1f} | {r['share']:.1%} | {mb} | {gbps} |")
     return lines
+
+
+def prefill_graphs_lines(check: dict[str, Any]) -> list[str]:
+    """``plugins/nvidia/scripts/prefill_graphs_check.py``: greedy tokens with and without prefill graphs, and one
+    prefill step's wall time, eager against replayed."""
+    lines = [f"{check['device']}, torch {check['torch']}. Float32 greedy tokens (8 prompts of 3 to 262 tokens, 12 "
+             "tokens each) with prefill graphs against without, whole prompts in one step and in chunks of 48 tokens "
+             "beside decodes:", "", "| architecture | chunks | graphs on | equal sequences | largest logprob difference |",
+             "|---|---|---|---|---|"]
+    for r in check["tokens"]:
+        lines.append(f"| {r['arch']} | {r['chunks'] or 'whole'} | {r['graphs_on']} | {r['equal']} / {r['of']} "
+                     f"| {r['max_logprob_diff']:.2e} |")
+    lines += ["", "One prefill step of n prompts of 128 tokens, Llama-3.1-8B config, dummy bfloat16 weights: wall ms "
+              "from launch to its tokens on the host (median of 6):", "",
+              "| prompts | tokens | eager ms | graph ms | eager / graph |", "|---|---|---|---|---|"]
+    for r in check["steps"]:
+        lines.append(f"| {r['requests']} | {r['tokens']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} "
+                     f"| {r['eager_ms'] / r['graph_ms']:.2f}x |")
+    return lines

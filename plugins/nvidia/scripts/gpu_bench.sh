@@ -17,7 +17,9 @@
 # this backend's: emulation_check.py; Llama-3.1-8B config, dummy weights, batch 1 and 64 on this backend and each),
 # longctx (Qwen3-1.7B config, dummy bf16 weights, LONGCTX "batch:input:output ...": long contexts at small batch),
 # breakdown (bench profile, a decode step by module: BREAKDOWN "config:batch[:input] ...", dummy bf16 weights; under
-# CHITU_PDL=0, since a kernel launched dependent counts the wait it overlaps as its own time).
+# CHITU_PDL=0, since a kernel launched dependent counts the wait it overlaps as its own time), prefillgraphs (contract
+# 1.16's prefill graphs: greedy tokens with and without, one prefill step's time eager and replayed:
+# prefill_graphs_check.py).
 # PACK=1 leaves one archive, results.tgz, in $OUT instead of the files.
 # Commit what $OUT holds under docs/benchmarks/<machine>/ and make the page from it:
 #   python -m chitu_core.bench report docs/benchmarks/<machine> > docs/benchmarks/<machine>.md
@@ -69,6 +71,10 @@ for step in "$@"; do
              python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print(sys.argv[2], {k: v for k, v in x.items() if not isinstance(v, (list, dict))})" "$OUT/serve-$mode.json" $mode
            done
            bench llama8b-b64-total --model /tmp/llama8b --batch-size 64 --peer none ;;
+    prefillgraphs) [ -d /tmp/llama-3.1-8b ] || python3 -m chitu_core.bench random-model --like llama-3.1-8b --config-only --out /tmp/llama-3.1-8b > /dev/null
+                   [ -d /tmp/tiny-mixtral ] || python3 -m chitu_core.bench random-model --like tiny-mixtral --out /tmp/tiny-mixtral --dtype float32 > /dev/null
+                   python3 "$ROOT/plugins/nvidia/scripts/prefill_graphs_check.py" --model /tmp/llama-3.1-8b --mixtral /tmp/tiny-mixtral \
+                     --out "$OUT/prefill_graphs_check.json" 2> "$OUT/prefill_graphs_check.err" || tail -20 "$OUT/prefill_graphs_check.err" ;;
     moecheck) for script in moe_check mla_check models_check; do
                 OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/$script.py" || echo "$script failed: $?"
               done

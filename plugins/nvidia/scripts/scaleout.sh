@@ -8,7 +8,8 @@
 # instead of the row-parallel products with their sums, contract 1.13), pp (the same,
 # two stages, batch 64; and batch 128 on two stages and on one GPU),
 # ep (DeepSeek-V2-Lite config, batch 64, one GPU and EP2 with TP2 attention), serve (bench serve, 64 streams,
-# against a TP2 server started with torchrun, then the offline TP2 run of the same batch), profile (decode step
+# against a TP2 server started with torchrun, then the offline TP2 run of the same batch; SERVE_OFFLINE=0 skips that,
+# SERVE_FLAGS adds server flags, SERVE_TAG suffixes the result's name), profile (decode step
 # kernels of one GPU and TP2, profile_step.py, batches PROFILE_BATCHES), cpuexperts (one GPU:
 # half the MoE layers' experts on the CPU). Every command has a time limit; results go to $OUT/scaleout.tar
 # (JSON per run; python -m chitu_core.bench report renders them).
@@ -104,13 +105,14 @@ PY
     ep) model deepseek-v2-lite
         limit 300 ep1-dsv2-b64 python3 $BENCH --model /tmp/deepseek-v2-lite --batch-size 64
         limit 300 ep2-dsv2-b64 $TR $BENCH --model /tmp/deepseek-v2-lite --batch-size 64 --enable-expert-parallel ;;
-    serve) model llama-3.1-8b
+    serve) model llama-3.1-8b  # SERVE_FLAGS: more server flags; SERVE_TAG: a suffix to the result's name
            $TR -m chitu_core.serve --model /tmp/llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 512 \
-             --max-num-seqs 64 --port 8391 --log-level warning --served-model-name llama-3.1-8b > $R/serve-tp2.log 2>&1 &
+             --max-num-seqs 64 --port 8391 --log-level warning --served-model-name llama-3.1-8b ${SERVE_FLAGS:-} \
+             > $R/serve-tp2${SERVE_TAG:-}.log 2>&1 &
            for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8391/health')" 2>/dev/null && break; sleep 1; done
-           limit 240 serve-tp2 python3 -m chitu_core.bench serve --base-url http://127.0.0.1:8391 --model llama-3.1-8b \
+           limit 240 serve-tp2${SERVE_TAG:-} python3 -m chitu_core.bench serve --base-url http://127.0.0.1:8391 --model llama-3.1-8b \
              --concurrency 64 --num-prompts 64 --input-len 128 --output-len 256 --warmup 8 --client-procs 8 --json
-           python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print('serve', {k: v for k, v in x.items() if not isinstance(v, (list, dict))})" $R/serve-tp2.json
+           python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print('serve', {k: v for k, v in x.items() if not isinstance(v, (list, dict))})" $R/serve-tp2${SERVE_TAG:-}.json
            [ "${SERVE_OFFLINE:-1}" = 0 ] || limit 240 tp2-b64-total $TR $BENCH --model /tmp/llama-3.1-8b --batch-size 64 --tensor-parallel-size 2 ;;
     cpuexperts) limit 400 cpu_experts_check python3 "$ROOT/plugins/nvidia/scripts/cpu_experts_check.py" --out $R/cpu_experts.json
                 tail -12 $R/cpu_experts_check.json ;;
