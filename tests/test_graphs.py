@@ -75,6 +75,15 @@ def generate(path, monkeypatch, runner, **kw):
     return [(o.seqs[0].output_token_ids, o.seqs[0].output_logprobs) for o in outs], llm.engine
 
 
+def assert_same(graphed, eager):
+    """The same tokens, and logprobs within 1e-4."""
+    assert [t for t, _ in graphed] == [t for t, _ in eager]
+    for (_, lp_graph), (_, lp_eager) in zip(graphed, eager):
+        for a, b in zip(lp_graph, lp_eager):
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
+
+
 def test_graph_decode_equals_eager(model_path, monkeypatch):
     eager, eager_engine = generate(model_path, monkeypatch, None)
     assert eager_engine.runner.graphs is None
@@ -83,11 +92,7 @@ def test_graph_decode_equals_eager(model_path, monkeypatch):
     assert runner.captured == [4, 2, 1]  # largest first
     # Decode steps with 5 sequences run eagerly (more than the largest bucket); 4, 3, 2, 1 replay.
     assert runner.replays > 0
-    assert [t for t, _ in graphed] == [t for t, _ in eager]
-    for (_, lp_graph), (_, lp_eager) in zip(graphed, eager):
-        for a, b in zip(lp_graph, lp_eager):
-            assert a.keys() == b.keys()
-            assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
+    assert_same(graphed, eager)
     bm = engine.block_manager
     assert bm.num_free == bm.num_blocks
 
@@ -108,11 +113,15 @@ def test_graph_padding_never_writes_the_cache(model_path, monkeypatch):
     engine.step()  # one decode step of 3 in the graph of 4
     assert runner.replays == 1
     for old, new in zip(before, engine.runner.kv_caches):
-        rows = lambda c: c.reshape(2, -1, c.shape[3] * c.shape[4])  # noqa: E731  [k|v, slot, Hk * D]
-        changed = (rows(old) != rows(new)).any(-1).any(0).nonzero()[:, 0]
-        assert {int(x) for x in changed} == want
+        assert changed_slots(old, new) == want
     while engine.has_unfinished():
         engine.step()
+
+
+def changed_slots(old, new) -> set[int]:
+    """The slots of one layer's cache [2, blocks, block_size, Hk, D] whose key or value differs between two copies."""
+    rows = lambda c: c.reshape(2, -1, c.shape[3] * c.shape[4])  # noqa: E731  [k|v, slot, Hk * D]
+    return {int(x) for x in (rows(old) != rows(new)).any(-1).any(0).nonzero()[:, 0]}
 
 
 def test_enforce_eager_captures_nothing(model_path, monkeypatch):

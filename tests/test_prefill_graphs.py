@@ -13,7 +13,7 @@ from chitu_core.attention.reference import ReferenceAttention
 from chitu_core.backend import MemoryInfo
 from chitu_core.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from chitu_core.errors import ChituError
-from test_graphs import ReplayingRunner, requests
+from test_graphs import ReplayingRunner, assert_same, changed_slots, generate, requests
 
 
 @pytest.fixture(scope="module")
@@ -40,29 +40,11 @@ def test_prefill_buckets():
     assert prefill_buckets(600) == [16, 32, 64, 128, 192, 256, 384, 512, 600]
 
 
-def generate(path, monkeypatch, runner, **kw):
-    monkeypatch.setattr(CpuBackend, "graph_runner", lambda self: runner)
-    llm = LLM(path, device="cpu", dtype="float32", load_progress=False, block_size=8, max_graph_batch_size=4, **kw)
-    prompts, params = requests()
-    outs = [llm.engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    return [(o.seqs[0].output_token_ids, o.seqs[0].output_logprobs) for o in outs], llm.engine
-
-
-def assert_same(graphed, eager):
-    assert [t for t, _ in graphed] == [t for t, _ in eager]
-    for (_, lp_graph), (_, lp_eager) in zip(graphed, eager):
-        for a, b in zip(lp_graph, lp_eager):
-            assert a.keys() == b.keys()
-            assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
-
-
 @pytest.mark.parametrize("budget", [None, 24])  # whole prompts (115 tokens in one step); chunks beside decodes
 def test_prefill_graphs_equal_eager(model_path, monkeypatch, budget):
     eager, _ = generate(model_path, monkeypatch, None, max_num_batched_tokens=budget)
     runner = ReplayingRunner()
-    graphed, engine = generate(model_path, monkeypatch, runner, max_num_batched_tokens=budget,
+    graphed, engine = generate(model_path, monkeypatch, runner, max_num_batched_tokens=budget, max_graph_batch_size=4,
                                max_prefill_graph_tokens=128)
     prefill = engine.runner.prefill_graphs
     assert prefill.sizes == ([16, 32, 64, 128] if budget is None else [16, 24])
@@ -112,9 +94,7 @@ def test_prefill_graph_padding_never_writes_the_cache(model_path, monkeypatch):
     want = {s.block_table[p // bs] * bs + p % bs for s in engine.scheduler.running for p in range(len(s.prompt_token_ids))}
     assert len(want) == 12
     for old, new in zip(before, engine.runner.kv_caches):
-        rows = lambda c: c.reshape(2, -1, c.shape[3] * c.shape[4])  # noqa: E731  [k|v, slot, Hk * D]
-        changed = (rows(old) != rows(new)).any(-1).any(0).nonzero()[:, 0]
-        assert {int(x) for x in changed} == want
+        assert changed_slots(old, new) == want
     while engine.has_unfinished():
         engine.step()
 

@@ -26,7 +26,8 @@ A class that does not set ``supports_16bit_kv_cache`` has them declined.
 Prefill graphs (contract 1.16), rows ``attention/NAME/graph-prefill``: step 2 as the engine's prefill graphs
 lay it out (``chitu_core.engine.prefill_graphs``): the padding rows form one sequence of their own (nothing
 cached, slots -1), sequence slots with no tokens follow, ``max_query_len`` / ``max_seq_len`` are bounds
-above the real maxima, and the block tables are as wide as the ``max_seq_len`` bound's blocks. A class that does not set ``captures_prefill`` has them declined.
+above the real maxima, and the block tables are as wide as the ``max_seq_len`` bound's blocks. A class
+that does not set ``captures_prefill`` has them declined.
 
 Variants (contract 1.6), rows ``attention/NAME/softcap``, ``/window`` and ``/softcap+window``: the
 same steps with the logits capped and a sliding window narrower than the contexts (decodes, chunked

@@ -2,21 +2,21 @@
 
 An eager step of a few hundred new tokens costs the host more than the device: the model's launches are
 enqueued one by one from Python (one H200, Llama-3.1-8B config, one 128-token prompt: 34.7 ms eager, 8.5 ms
-replayed; docs/benchmarks/nvidia-h200x2-prefill-graphs.md). So a
-step that is not a pure decode (whole or partial prompts, decodes beside them or not) of at most
-``max_tokens`` new tokens replays the graph of the smallest bucket that holds them. Its inputs land in
-static device buffers: three host-to-device copies from pinned staging memory (token rows: ids,
-positions, cache slots; sequence rows: lengths, cached lengths, query starts; the block tables). The
-graph ends with the hidden states of its token rows, copied into one buffer that every bucket shares; the
-runner computes the sampling rows' logits eagerly after it, as for an eager step.
+replayed; docs/benchmarks/nvidia-h200x2-prefill-graphs.md). So a step that is not a pure decode (whole or
+partial prompts, decodes beside them or not) of at most ``max_tokens`` new tokens replays the graph of the
+smallest bucket that holds them. Its inputs land in static device buffers: three host-to-device copies from
+pinned staging memory (token rows: ids, positions, cache slots; sequence rows: lengths, cached lengths,
+query starts; the block tables). The graph ends with the hidden states of its token rows, copied into one
+buffer that every bucket shares; the runner computes the sampling rows' logits eagerly after it, as for an
+eager step.
 
 Padding: the bucket's rows past the step's T tokens form one more sequence after the B real ones, made of
 them alone (nothing cached before, cache slots -1, so the cache write skips them; its keys come from
 whatever valid blocks its stale block-table row names, so its outputs are finite, and ignored). The
 sequence slots after it hold no tokens. A bucket of T rows has min(max_seqs, T) + 1 sequence slots, and
 its attention is planned with T as ``max_query_len`` and the model's context (the largest bucket, if
-longer) as ``max_seq_len``: upper bounds, which an attention backend that sets ``captures_prefill`` (contract 1.16) accepts.
-Staging memory cycles through two sets, as the decode graphs' does (``graphs.py``).
+longer) as ``max_seq_len``: upper bounds, which an attention backend that sets ``captures_prefill``
+(contract 1.16) accepts. Staging memory cycles through two sets, as the decode graphs' does (``graphs.py``).
 """
 
 import logging
