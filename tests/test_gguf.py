@@ -327,3 +327,26 @@ def test_missing_default_wheel_says_how_to_install_it(monkeypatch):
 def test_unknown_dtype_is_refused():
     with pytest.raises(ModelLoadError, match="float32, float16, bfloat16"):
         resolve_model(None, dtype="int8")
+
+
+def test_a_new_conversion_removes_the_ones_it_supersedes(tiny_gguf, tmp_path, monkeypatch):
+    """A touched file's new entry removes its entry from before (and that entry's lock file), and so does a
+    newer converter's entry of the same file; other options' entries, other files' and a newer converter's
+    (another install sharing the cache) stay."""
+    f = tmp_path / "prune.gguf"
+    shutil.copyfile(tiny_gguf, f)
+    first = Path(resolve_model(f))
+    kept = Path(resolve_model(f, keep_quantized=True))  # other options: never superseded by the dense entry
+    other = Path(resolve_model(tiny_gguf))  # another file
+    assert (first.parent / f".{first.name}.lock").exists()
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: the old entry can never be hit again
+    second = Path(resolve_model(f))
+    assert second != first and not first.exists() and not (first.parent / f".{first.name}.lock").exists()
+    assert kept.exists() and other.exists()
+    monkeypatch.setattr(gguf_loader, "CONVERTER_VERSION", gguf_loader.CONVERTER_VERSION + 1)
+    third = Path(resolve_model(f))
+    assert third != second and not second.exists() and kept.exists() and other.exists()
+    monkeypatch.setattr(gguf_loader, "CONVERTER_VERSION", gguf_loader.CONVERTER_VERSION - 1)  # an older install
+    older = Path(resolve_model(f))
+    assert older.exists() and third.exists()  # it removes nothing of the newer converter's

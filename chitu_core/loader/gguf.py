@@ -29,7 +29,9 @@ attn_q as Q4_K): those are listed in ``modules_to_not_convert``.
 choice and the converter version, so a replaced file converts again while a cache hit costs a stat and
 ~17 MiB of reads. A conversion is written into a temporary directory beside its entry and renamed into
 place, under a file lock: a crash leaves no half-written entry, and a second process converting the
-same file waits and then reuses the first one's result.
+same file waits and then reuses the first one's result. A new entry then removes the entries it supersedes
+(the same file's older conversions, ``gguf_cache.remove_superseded``), so the cache does not grow with
+every converter change or replaced file.
 """
 
 import hashlib
@@ -43,7 +45,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,7 @@ import torch
 from safetensors.torch import save_file
 
 from chitu_core.errors import ModelLoadError
+from chitu_core.loader.gguf_cache import lock, remove_stale_temps, remove_superseded
 from chitu_core.loader.hf import COMPLETE_CONFIG_MARKER
 
 log = logging.getLogger(__name__)
@@ -144,10 +146,10 @@ def convert_cached(path: Path, dtype: str = "float32", keep_quantized: bool = Fa
     if (entry / MARKER).exists():
         return entry
     root.mkdir(parents=True, exist_ok=True)
-    with _lock(root / f".{entry.name}.lock"):
+    with lock(root / f".{entry.name}.lock"):
         if (entry / MARKER).exists():  # another process converted it while we waited
             return entry
-        _remove_stale_temps(root)
+        remove_stale_temps(root)
         tmp = root / f".tmp-{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()  # not mkdtemp: the entry should get the umask's permissions, not 0700
         try:
@@ -166,6 +168,7 @@ def convert_cached(path: Path, dtype: str = "float32", keep_quantized: bool = Fa
             log.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_superseded(root, entry, MARKER)
     return entry
 
 
@@ -472,29 +475,3 @@ def _looks_like_gguf(path: Path) -> bool:
             return f.read(4) == b"GGUF"
     except OSError:
         return False
-
-
-def _remove_stale_temps(root: Path, max_age_s: float = 86400) -> None:
-    """Temp dirs of conversions that crashed (a live one is younger than a day, and holds the lock)."""
-    for tmp in root.glob(".tmp-*"):
-        try:
-            if time.time() - tmp.stat().st_mtime > max_age_s:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass
-
-
-@contextmanager
-def _lock(path: Path):
-    """An exclusive lock across processes (POSIX flock; elsewhere none: the rename alone keeps entries whole)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
