@@ -56,7 +56,9 @@ class PackedLinear(ABC):
 class GraphRunner(ABC):
     """Optional: records the device work of a function once and replays it (CUDA graphs, ACL graphs).
 
-    The engine captures its decode step once per padded batch size, largest first, before serving.
+    The engine captures its decode step once per padded batch size, largest first, before serving, and
+    (contract 1.16, where the attention class sets ``captures_prefill``) steps of prompts once per padded
+    token count, largest first, before those.
     A captured function reads and writes only tensors that exist before the capture (the engine's
     static input buffers, the weights, the KV cache) and never waits on the host. One runner's
     captures may share one memory pool: the engine replays one graph at a time.
