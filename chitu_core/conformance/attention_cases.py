@@ -68,7 +68,12 @@ class Plan:
     padding: int = 0  # padding rows (slot -1) ending the step-2 batch
     softcap: float | None = None  # contract 1.6 variants
     window: int | None = None
-    graph: int = 0  # contract 1.16, plans of a "graph" kind: empty sequence slots after the padding's sequence
+    graph: int = 0  # contract 1.16, with ``graph_layout``: empty sequence slots after the padding's sequence
+
+    @property
+    def graph_layout(self) -> bool:
+        """Whether step 2 is laid out as a prefill graph lays it out (contract 1.16)."""
+        return self.kind.startswith("graph")
 
     @property
     def variant(self) -> dict:
@@ -156,7 +161,7 @@ def fp8_declined(attn_cls: type, plan) -> str:
 
 
 def graph_declined(attn_cls: type, plan) -> str:
-    if plan.kind.startswith("graph") and not getattr(attn_cls, "captures_prefill", False):
+    if plan.graph_layout and not getattr(attn_cls, "captures_prefill", False):
         return f"{attn_cls.__name__} does not set captures_prefill (contract 1.16)"
     return ""
 
@@ -219,8 +224,7 @@ class Step:
         self.host = (randn(gen, total, hq, d, dtype=dtype), randn(gen, total, hk, d, dtype=dtype),
                      randn(gen, total, hk, d, dtype=dtype))
         self.operands = [guard(t, device, plan.layout) for t in self.host]
-        graph = padding and plan.kind.startswith("graph")
-        if graph:  # a prefill graph's layout: the padding's own sequence, then empty sequence slots, and
+        if padding and plan.graph_layout:  # the padding's own sequence, then empty sequence slots, and
             width = -(-GRAPH_MAX_SEQ_LEN // attn.block_size)  # tables as wide as the bound's blocks
             tables = torch.cat([tables, tables[:, :1].expand(-1, max(0, width - tables.shape[1]))], 1)
             meta = metadata(tables, contexts + [0] * (1 + plan.graph), news + [padding] + [0] * plan.graph,
@@ -285,7 +289,7 @@ def run_attention_case(attn_cls: type[AttentionBackend], source: str, plan: Plan
         attn = attn_cls(plan.num_heads, plan.num_kv_heads, plan.head_dim, block_size, dtype, device)
         attn.set_kv_cache_dtype(plan.cache_dtype or ("auto" if plan.kv_scale is None else "fp8"))
         contexts, news = [c for c, _ in plan.seqs], [n for _, n in plan.seqs]
-        padding = [plan.padding] + [1] * plan.graph if plan.kind.startswith("graph") else [1] * plan.padding
+        padding = [plan.padding] + [1] * plan.graph if plan.graph_layout else [1] * plan.padding
         tables, num_blocks = allocate_blocks(gen, [c + n for c, n in plan.seqs] + padding, block_size)
         cache = GuardedCache.allocate(attn, num_blocks + 1)  # no table names the last block: slot -1 wraps there
     except Exception as exc:  # construction is part of what the backend declared it supports
@@ -363,7 +367,7 @@ def attention_cases(backend, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
                 label = (f"{plan.kind} Hq={plan.num_heads} Hk={plan.num_kv_heads} D={plan.head_dim} bs={bs} "
                          f"ctx+new={lens}" + (f" scale={plan.scale}" if plan.scale else ""))
                 row, label = fp8_row(plan, f"attention/{name}", label, params)
-                if plan.kind.startswith("graph"):
+                if plan.graph_layout:
                     row, label = f"{row}/graph-prefill", label + f" empty*{plan.graph} bounds"
                 if plan.variant:
                     row = f"{row}/{'+'.join(sorted(plan.variant))}"

@@ -119,10 +119,12 @@ class LLMEngine:
         self.max_graph_batch = min(config.max_num_seqs, config.max_graph_batch_size)
         # A pipeline stage caches its own layers only; the others' entries stay empty.
         self.link = StageLink(self.parallel, hf_config.hidden_size, self.dtype, self.device) if self.parallel.pp_size > 1 else None
-        # Steps of prompts replay graphs of up to this many new tokens (0: none; not under pipeline parallelism).
+        # Steps of prompts replay graphs of up to this many new tokens (0: none, as below the smallest bucket;
+        # not under pipeline parallelism).
         self.prefill_graph_tokens = 0
         if self.graph_runner is not None and self.link is None and self.attention.captures_prefill:
-            self.prefill_graph_tokens = min(config.max_prefill_graph_tokens, self.max_num_batched_tokens)
+            tokens = min(config.max_prefill_graph_tokens, self.max_num_batched_tokens)
+            self.prefill_graph_tokens = tokens if prefill_buckets(tokens) else 0
         self.num_layers = geometry.num_layers
         local = stage_layers(geometry.num_layers, self.parallel.pp_size, self.parallel.pp_rank)
         num_blocks = self._num_blocks(len(local), block_size)
@@ -172,7 +174,7 @@ class LLMEngine:
         self.runner.graphs = DecodeGraphs(self.model, self.attention, kv_caches, self.graph_runner, self.max_graph_batch,
                                           self.max_model_len, self.device, self.backend.pin_memory(), self.link)
         with torch.inference_mode():
-            if prefill_buckets(self.prefill_graph_tokens):
+            if self.prefill_graph_tokens:
                 graphs = PrefillGraphs(self.model, self.attention, kv_caches, self.graph_runner, self.prefill_graph_tokens,
                                        self.config.max_num_seqs, self.max_model_len, self.device, self.backend.pin_memory())
                 try:
@@ -215,7 +217,7 @@ class LLMEngine:
 
     def _prefill_graph_reserve(self) -> int:
         """What a step of the largest prefill graph adds to the memory at rest (its graphs keep it for good)."""
-        if not prefill_buckets(self.prefill_graph_tokens):
+        if not self.prefill_graph_tokens:
             return 0
         return added_peak(self.backend, self.device_index, lambda: largest_step(
             self.model, self.attention, self.num_layers, self.prefill_graph_tokens, self.max_model_len, 1, self.device,
