@@ -85,6 +85,23 @@ def test_client_processes_share_a_level(server):
     assert x["e2e_ms"]["p99"] <= x["duration_s"] * 1e3 + 0.01
 
 
+def test_warm_up_burst_goes_out_like_the_first_level(server):
+    """--warmup 6 --concurrency 3,1: one request alone, then five at the first level's concurrency
+    from its two client processes, for min(O, 4) tokens each; reported apart from the levels."""
+    done = bench(server.url, "--concurrency", "3,1", "--input-len", str(I), "--output-len", str(O), "--num-prompts", "2",
+                 "--vocab-size", "512", "--warmup", "6", "--client-procs", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    r = json.loads(done.stdout)
+    w = r["warmup_burst"]
+    assert (w["concurrency"], w["client_processes"], w["completed"], w["failed"]) == (3, 2, 5, 0)
+    assert (w["total_input_tokens"], w["total_output_tokens"], w["all_exact_output_len"]) == (5 * I, 5 * 4, True)
+    assert 2 <= w["peak_in_flight"] <= 3
+    assert [(x["concurrency"], x["completed"], x["total_output_tokens"]) for x in r["results"]] == [(3, 2, 2 * O), (1, 2, 2 * O)]
+    one = json.loads(bench(server.url, "--concurrency", "2", "--input-len", str(I), "--output-len", str(O), "--num-prompts",
+                           "2", "--vocab-size", "512", "--json").stdout)
+    assert "warmup_burst" not in one and one["warmup"] == 1  # the default: one request alone
+
+
 def test_chat_endpoint_text_table(server):
     done = bench(server.url + "/v1/", "--endpoint", "chat", "--concurrency", "2", "--input-len", "16", "--output-len", "4",
                  "--num-prompts", "4")

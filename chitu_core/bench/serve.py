@@ -17,6 +17,14 @@ one of I/2 words for tokens per word) to average I tokens; the server's usage sa
 many they were. Every level and the warm-up get fresh prompts, so no level finds
 another's in a prefix cache.
 
+Warm-up. ``--warmup W`` requests go out first, unmeasured, for up to 4 tokens each: one alone
+(a server that refuses the prompts says why once), then the other W - 1 as the first level
+sends its own, at its concurrency and from its client processes. A server's first burst of
+concurrent requests can cost it once what later ones do not (a TP2 server on two H200s stalled
+its event loop for 18-45 ms in each of five first bursts, in neither of two later ones): with W at
+the first level's size, the levels measure the server as it runs, not as it starts. The JSON
+keeps that burst's own report as ``warmup_burst``.
+
 Per request: TTFT (send -> first content chunk), TPOT ((last content chunk - first)
 / (output tokens - 1)), end-to-end latency and output tokens, from the usage chunk
 when the server sends one, else the number of content chunks (reported as
@@ -277,13 +285,20 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
             ids = token_range(args.vocab_size)
             make = lambda n: token_prompts(rng, n, I, ids)  # noqa: E731
             prompt_kind = f"random token ids in [{ids[0]}, {ids[1]})"
-        for prompt in make(args.warmup):
-            r = await client.send(prompt, min(O, 4))
+        warm, warm_level = make(args.warmup), None
+        if warm:  # one alone first, so that a server refusing the prompts says why once
+            r = await client.send(warm[0], min(O, 4))
             if not r.ok:
                 hint = ""
                 if not client.chat and "vocab" in r.error.lower():
                     hint = f"\n(the prompts' token ids are drawn from [{ids[0]}, {ids[1]}): give --vocab-size for a smaller vocabulary)"
                 raise BenchError(f"the warm-up request to {client.url} failed: {r.error}{hint}")
+        if len(warm) > 1:  # the rest as the first level sends its own: what a server does once, on its first burst
+            c = args.concurrency[0]
+            warm_level = await run_level(client, warm[1:], c, min(O, 4), min(args.client_procs, c))
+            if warm_level["failed"]:
+                raise BenchError(f"{warm_level['failed']} of the warm-up requests to {client.url} failed: "
+                                 f"{warm_level['errors'][0]}")
         levels = [await run_level(client, make(N), c, O, min(args.client_procs, c)) for c in args.concurrency]
     finally:
         await client.close()
@@ -298,6 +313,7 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         "prompt": prompt_kind,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "results": levels,
+        **({"warmup_burst": warm_level} if warm_level else {}),
         **({"server_memory": server_memory} if server_memory else {}),
     }
 
@@ -383,7 +399,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="the model's vocabulary size, when below 20000: keeps the prompt ids inside it")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--warmup", type=int, default=1, help="requests before the first level, not measured")
+    parser.add_argument("--warmup", type=int, default=1, help=(
+        "requests before the first level, not measured (up to 4 output tokens each): one alone, then the rest as the "
+        "first level sends its own, at its concurrency and from its client processes"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on the server, per read")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random prompts")
     parser.add_argument("--client-procs", type=int, default=1,

@@ -66,7 +66,7 @@ for step in "$@"; do
              pid=$!
              for _ in $(seq 180); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8391/health')" 2>/dev/null && break; sleep 1; done
              python3 -m chitu_core.bench serve --base-url http://127.0.0.1:8391 --model llama8b --concurrency 64 \
-               --num-prompts 64 --input-len 128 --output-len 256 --warmup 8 --client-procs 8 --json > "$OUT/serve-$mode.json" || tail -20 "$OUT/serve-$mode.log"
+               --num-prompts 64 --input-len 128 --output-len 256 --warmup 65 --client-procs 8 --json > "$OUT/serve-$mode.json" || tail -20 "$OUT/serve-$mode.log"
              kill $pid; wait $pid
              python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print(sys.argv[2], {k: v for k, v in x.items() if not isinstance(v, (list, dict))})" "$OUT/serve-$mode.json" $mode
            done

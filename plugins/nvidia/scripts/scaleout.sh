@@ -12,7 +12,7 @@
 # SERVE_FLAGS adds server flags, SERVE_TAG suffixes the result's name), profile (decode step
 # kernels of one GPU and TP2, profile_step.py, batches PROFILE_BATCHES), cpuexperts (one GPU:
 # half the MoE layers' experts on the CPU). Every command has a time limit; results go to $OUT/scaleout.tar
-# (JSON per run; python -m chitu_core.bench report renders them).
+# (JSON per run; python -m chitu_core.bench report renders them), each run's JSON also to $OUT/runs/ as it finishes.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machine's rule: no multicast
 OUT=${OUT:-/tmp/chitu-out}
@@ -39,6 +39,7 @@ limit() {  # seconds, name, command...: stdout to $R/name.json, stderr to $R/nam
     fi
   done
   wait $pid 2> /dev/null
+  mkdir -p "$OUT/runs" && cp "$R/$name.json" "$OUT/runs/" 2> /dev/null  # a call cut short still returns what finished
   pkill -9 -f "[-]m chitu_core" 2> /dev/null; pkill -9 -f "[t]orchrun" 2> /dev/null
   pkill -9 -f "scripts/[a-z_]*(check|bench)\.py" 2> /dev/null; sleep 1
 }
@@ -111,7 +112,7 @@ PY
              > $R/serve-tp2${SERVE_TAG:-}.log 2>&1 &
            for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8391/health')" 2>/dev/null && break; sleep 1; done
            limit 240 serve-tp2${SERVE_TAG:-} python3 -m chitu_core.bench serve --base-url http://127.0.0.1:8391 --model llama-3.1-8b \
-             --concurrency 64 --num-prompts 64 --input-len 128 --output-len 256 --warmup 8 --client-procs 8 --json
+             --concurrency 64 --num-prompts 64 --input-len 128 --output-len 256 --warmup 65 --client-procs 8 --json
            python3 -c "import json,sys; x=json.load(open(sys.argv[1]))['results'][0]; print('serve', {k: v for k, v in x.items() if not isinstance(v, (list, dict))})" $R/serve-tp2${SERVE_TAG:-}.json
            [ "${SERVE_OFFLINE:-1}" = 0 ] || limit 240 tp2-b64-total $TR $BENCH --model /tmp/llama-3.1-8b --batch-size 64 --tensor-parallel-size 2 ;;
     cpuexperts) limit 400 cpu_experts_check python3 "$ROOT/plugins/nvidia/scripts/cpu_experts_check.py" --out $R/cpu_experts.json
