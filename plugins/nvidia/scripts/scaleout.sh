@@ -12,7 +12,7 @@
 # SERVE_FLAGS adds server flags, SERVE_TAG suffixes the result's name), profile (decode step
 # kernels of one GPU and TP2, profile_step.py, batches PROFILE_BATCHES), cpuexperts (one GPU:
 # half the MoE layers' experts on the CPU). Every command has a time limit; results go to $OUT/scaleout.tar
-# (JSON per run; python -m chitu_core.bench report renders them), each run's JSON also to $OUT/runs/ as it finishes.
+# (JSON per run; python -m chitu_core.bench report renders them), rewritten after every run.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machine's rule: no multicast
 OUT=${OUT:-/tmp/chitu-out}
@@ -39,7 +39,7 @@ limit() {  # seconds, name, command...: stdout to $R/name.json, stderr to $R/nam
     fi
   done
   wait $pid 2> /dev/null
-  mkdir -p "$OUT/runs" && cp "$R/$name.json" "$OUT/runs/" 2> /dev/null  # a call cut short still returns what finished
+  tar -cf "$OUT/scaleout.tar" -C $R .  # after every run: a call cut short still returns what finished
   pkill -9 -f "[-]m chitu_core" 2> /dev/null; pkill -9 -f "[t]orchrun" 2> /dev/null
   pkill -9 -f "scripts/[a-z_]*(check|bench)\.py" 2> /dev/null; sleep 1
 }
