@@ -21,7 +21,7 @@ Warm-up. ``--warmup W`` requests go out first, unmeasured, for up to 4 tokens ea
 (a server that refuses the prompts says why once), then the other W - 1 as the first level
 sends its own, at its concurrency and from its client processes. A server's first burst of
 concurrent requests can cost it once what later ones do not (a TP2 server on two H200s stalled
-its event loop for 18-45 ms in each of five first bursts, in neither of two later ones): with W at
+its event loop for 18-46 ms in each of eight first bursts, at most 6 ms in two later ones): with W at
 the first level's size, the levels measure the server as it runs, not as it starts. The JSON
 keeps that burst's own report as ``warmup_burst``.
 
