@@ -180,6 +180,7 @@ class AsyncLLM:
             raise ChituError(f"the engine process could not start: {info}")
         self.max_model_len = info["max_model_len"]
         self._commands = CommandPipe(commands_in, self._pipe_broke)
+        self._send_command = self._commands.send  # as a thread's queue: the loop only queues
         from chitu_core.plugins.discovery import get_backend
 
         keep_gguf = "gguf" in get_backend(config.device).quant_methods()  # the directory the engine process made
@@ -187,9 +188,6 @@ class AsyncLLM:
         self.tokenizer = model_dir.tokenizer()  # for the server's side
         self._thread = threading.Thread(target=self._read_outputs, name="chitu-engine-reader", daemon=True)
         self._thread.start()
-
-    def _send_command(self, command: tuple) -> None:  # the process transport; a thread replaces it
-        self._commands.send(command)
 
     def _pipe_broke(self, exc: OSError) -> None:
         if not self._stopping:
