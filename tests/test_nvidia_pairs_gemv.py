@@ -49,6 +49,7 @@ INT4_CASES = [  # k, n, group, config (None: the default), dtype
     (768, 72, 128, GemvConfig(64, 64, 5, 2), torch.bfloat16),  # 64-feature steps (the default), uneven slices
     (256, 48, 8, None, torch.float16),                         # groups of 8: one packed row a step
     (512, 512, 64, None, torch.bfloat16),                      # the default tiles
+    (512, 1024, 32, GemvConfig(512, 32, 3, 2), torch.float16),  # wide weights' tiles, uneven slices
 ]
 
 
@@ -114,13 +115,14 @@ def test_fp8_fits_whole_steps_inside_a_scale_block():
 
 
 def test_configs_are_the_measured_tiles():
-    """The tiles picked are the ones the H100 sweep found fastest at Llama-3.1-8B's shapes (the config
+    """The tiles picked are the ones the sweeps (int4: H200, fp8: H100) found fastest at Llama-3.1-8B's shapes (the config
     functions' docstrings)."""
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     assert [int4.int4_gemv_config(n, k, 128, 132) for n, k in shapes] == [
-        GemvConfig(256, 64, 16, 2), GemvConfig(256, 64, 16, 2), GemvConfig(256, 64, 10, 2), GemvConfig(256, 64, 56, 2)]
+        GemvConfig(128, 64, 22, 1), GemvConfig(128, 64, 33, 1), GemvConfig(512, 32, 19, 2), GemvConfig(128, 64, 33, 1)]
     assert int4.int4_gemv_config(4096, 4096, 16, 132).block_k == 16
     assert int4.int4_gemv_config(4096, 4096, 32, 132).block_k == 32
+    assert int4.int4_gemv_config(28672, 4096, 16, 132).block_k == 16  # wide: 32 features a step, or fewer
     assert [fp8.fp8_gemv_config(n, k, 132) for n, k in shapes] == [
         GemvConfig(32, 128, 6, 4), GemvConfig(32, 128, 9, 4), GemvConfig(64, 128, 1, 8), GemvConfig(32, 128, 9, 2)]
 

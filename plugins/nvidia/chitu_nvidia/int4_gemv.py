@@ -1,29 +1,30 @@
 """int4_linear for one row of 16-bit x on NVIDIA GPUs: the matrix-vector kernel with its inner product in
 half-precision pairs (PTX through ``tl.inline_asm_elementwise``).
 
-Each packed word (nibble j = feature 8i + j) takes 18 instructions for its eight weights, against
+Each packed word (nibble j = feature 8i + j) takes 16 instructions for its eight weights, against
 about 6 a nibble in the portable kernel (``chitu_core.kernels.triton.gemv``):
 
-* four masks (one LOP3 each, with three shifts) lay nibbles j and j + 4 into the low mantissa bits of
-  the fp16 pair (1024, 1024), giving 1024 + q exactly; one fp16-pair subtraction each leaves q;
+* four masks (one LOP3 each, and one shift) lay nibbles (j, j + 4) into the low mantissa bits of the
+  fp16 pair (1024, 1024): nibbles 0 and 2 at the lowest bits, giving 1024 + q exactly, nibbles 1 and 3
+  four bits higher, giving 1024 + 16 q (the shifts that would move them down are saved); one
+  fp16-pair subtraction of 1024 leaves q, or one fused multiply-add, (1024 + 16 q) / 16 - 64 (exact);
 * one multiply and three fused multiply-adds in fp16 pairs meet them with x's pairs (x_j, x_{j+4});
 * the pair's two halves widen to float32 and add: four products per half in fp16, all else float32.
 
 x is scaled by 1/64 (exact, a power of two) before it is rounded to fp16, so a half's sum of four
 products (q <= 15) overflows only for |x| above about 70,000 (fp16's range is 65,504); the scale comes
-back in float32, as do the zero point (z times the float32 sum of the word's eight x) and the group's
-scale. The fp16 roundings
-cost about 2^-11 of a product, under bfloat16's own 2^-9 on the output (conformance: ``int4_linear``).
+back in float32, as do the zero point (z times the float32 sum of the step's x) and the group's scale,
+once a step: a step lies in one group, so its rows' sums are added first. The fp16 roundings cost
+about 2^-11 of a product, under bfloat16's own 2^-9 on the output (conformance: ``int4_linear``).
 
 A program owns BLOCK_N columns and a slice of K; every operand of a step (words, the group's scales
 and zeros, x: one [R, 8] load) is loaded a step ahead; split-K partial sums are added in a fixed order
 by the slice that finishes last (``split_k.finish_split``); dependent launch with the first words,
-scales and zeros issued before the wait. On an H100 (plugins/nvidia/scripts/gemv_sweep.py, page
-docs/benchmarks/nvidia-h100-pairs-gemv.md) it reads Llama-3.1-8B's gate/up weights at 0.62 of the byte
-floor (portable: 0.50) and the smaller ones at 0.27-0.48 (0.30-0.43: o_proj's 4096 x 4096 is slower
-here), where a kernel's start and split-K finish weigh as much as its bytes. On other devices
-(the interpreter) the same sums run in float32 Triton (``ASM=False``), differing only by the fp16
-roundings.
+scales and zeros issued before the wait. On an H200 (plugins/nvidia/scripts/gemv_sweep.py, page
+docs/benchmarks/nvidia-h200-int4-gemv.md) it reads Llama-3.1-8B's gate/up weights at 0.61 of the byte
+floor (portable: 0.36) and the smaller ones at 0.25-0.45 (0.22-0.33), where a kernel's start and
+split-K finish weigh as much as its bytes. On other devices (the interpreter) the same sums
+run in float32 Triton (``ASM=False``), differing only by the fp16 roundings.
 """
 
 import torch
@@ -39,21 +40,23 @@ X_SCALE = tl.constexpr(1.0 / 64.0)
 X_UNSCALE = tl.constexpr(64.0)
 
 _DOT8 = tl.constexpr("""{
-.reg .b32 a, b, c, d, t, k;
+.reg .b32 a, b, c, d, t, k, lo4, hi4, sixteenth, neg64;
 .reg .f16 lo, hi;
 .reg .f32 flo, fhi;
 mov.b32 k, 0x64006400;
-lop3.b32 a, $1, $6, k, 0xea;
-shr.u32 t, $1, 4;
-lop3.b32 b, t, $6, k, 0xea;
+mov.b32 lo4, 0x000F000F;
+mov.b32 hi4, 0x00F000F0;
+mov.b32 sixteenth, 0x2C002C00;
+mov.b32 neg64, 0xD400D400;
+lop3.b32 a, $1, lo4, k, 0xea;
+lop3.b32 b, $1, hi4, k, 0xea;
 shr.u32 t, $1, 8;
-lop3.b32 c, t, $6, k, 0xea;
-shr.u32 t, $1, 12;
-lop3.b32 d, t, $6, k, 0xea;
+lop3.b32 c, t, lo4, k, 0xea;
+lop3.b32 d, t, hi4, k, 0xea;
 sub.f16x2 a, a, k;
-sub.f16x2 b, b, k;
+fma.rn.f16x2 b, b, sixteenth, neg64;
 sub.f16x2 c, c, k;
-sub.f16x2 d, d, k;
+fma.rn.f16x2 d, d, sixteenth, neg64;
 mul.rn.f16x2 a, a, $2;
 fma.rn.f16x2 a, b, $3, a;
 fma.rn.f16x2 a, c, $4, a;
@@ -83,11 +86,10 @@ def pair_half(pair, J: tl.constexpr):
 
 
 @triton.jit
-def _dot8(w, x04, x15, x26, x37, nibble_mask, ASM: tl.constexpr):
-    """Sum over j of q_j x_j for each word of w (nibble j = q_j), x_j and x_{j+4} given as fp16 pairs;
-    nibble_mask: 0x000F000F in a register (the PTX's masks share it)."""
+def _dot8(w, x04, x15, x26, x37, ASM: tl.constexpr):
+    """Sum over j of q_j x_j for each word of w (nibble j = q_j), given the fp16 pairs (x_j, x_{j+4})."""
     if ASM:
-        return tl.inline_asm_elementwise(_DOT8, "=f,r,r,r,r,r,r", [w, x04, x15, x26, x37, nibble_mask],
+        return tl.inline_asm_elementwise(_DOT8, "=f,r,r,r,r,r", [w, x04, x15, x26, x37],
                                          dtype=tl.float32, is_pure=True, pack=1)
     t = ((w & 0xF).to(tl.float32) * pair_half(x04, 0) + ((w >> 16) & 0xF).to(tl.float32) * pair_half(x04, 1))
     t += ((w >> 4) & 0xF).to(tl.float32) * pair_half(x15, 0) + ((w >> 20) & 0xF).to(tl.float32) * pair_half(x15, 1)
@@ -110,8 +112,7 @@ def _int4_pairs_kernel(
     ri = tl.arange(0, R)
     w_cols = qweight + rn[None, :] * stride_qn
     last = k_hi // 8 - R  # the slice's last tile: a prefetch past it loads that tile again, unmasked
-    acc2 = tl.zeros((R, BLOCK_N), dtype=tl.float32)
-    nibbles = tl.full((R, BLOCK_N), 0x000F000F, tl.int32)  # a register the masks share
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # every operand of a step is loaded a step ahead: the words, the group's scales and zeros, and x
     row = k_lo // 8
     nxt = tl.load(w_cols + (row + ri).to(tl.int64)[:, None] * stride_qk, mask=n_ok[None, :])
@@ -132,25 +133,22 @@ def _int4_pairs_kernel(
         nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = x8(x + (row + ri) * 8 * stride_xk, stride_xk, R)
         p04, p15 = fp16_pair(x0, x4, ASM), fp16_pair(x1, x5, ASM)
         p26, p37 = fp16_pair(x2, x6, ASM), fp16_pair(x3, x7, ASM)
-        sxr = ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))  # the zero point's share: z sum x
-        t = _dot8(w, p04[:, None], p15[:, None], p26[:, None], p37[:, None], nibbles, ASM)
-        acc2 += (t - z[None, :] * sxr[:, None]) * s[None, :]
-    acc = tl.sum(acc2, axis=0)
+        sx = tl.sum(((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7)), axis=0)  # the zero point's share: z sum x
+        t = _dot8(w, p04[:, None], p15[:, None], p26[:, None], p37[:, None], ASM)
+        acc += (tl.sum(t, axis=0) - z * sx) * s  # the step lies in one group: its rows added, then scaled
     finish_split(acc[None, :], out, partials, counters, bias, tl.arange(0, 1), rn, n_ok[None, :], 1, N, N, stride_b,
                  tl.program_id(0), tl.program_id(1), split, SPLIT_K, HAS_BIAS)
 
 
 def int4_gemv_config(n: int, k: int, group_size: int, compute_units: int) -> GemvConfig:
-    """256 columns and 64 features a step (fewer where the group is smaller) for two warps; K split
-    until there are about eight programs per compute unit, each slice at least 256 features deep.
-    On an H100 at Llama-3.1-8B's shapes, dependent launch on, the fastest tiles of each shape alone
-    all took 64 or 128 features a step in fewer, deeper slices (1-2.5 us under 32-feature steps split
-    to eight programs a unit, as before: o_proj's 4096 x 4096 was 66 slices of two steps); the whole
-    model, AWQ int4 at batch 1, gained 1.3% from this rule."""
-    block_n, warps = 256, 2
-    block_k = next(b for b in (64, 32, 16, 8) if group_size % b == 0)
+    """Four columns a thread: 128 columns for one warp, 64 features a step; wide weights (n >= 16384, a
+    gated pair's) 512 columns for two warps and 32 features a step. Fewer features a step where the
+    group is smaller. K split until there are about eight programs per compute unit. On an H200 at
+    Llama-3.1-8B's shapes these were the fastest of 180 tiles each (plugins/nvidia/scripts/gemv_sweep.py)."""
+    block_n, warps, block_k = (512, 2, 32) if n >= 16384 else (128, 1, 64)
+    block_k = next(b for b in (block_k, 32, 16, 8) if b <= block_k and group_size % b == 0)
     programs = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(8 * compute_units, programs), k // 256))
+    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(8 * compute_units, programs)))
     return GemvConfig(block_n, block_k, split, warps)
 
 

@@ -78,7 +78,7 @@ def int4_configs(n: int, units: int):
 
 def pairs_configs(n: int, units: int):
     out = []
-    for bn, bk, per_unit, warps in itertools.product((256, 512), (16, 32), (2, 4, 8), (1, 2, 4)):
+    for bn, bk, per_unit, warps in itertools.product((128, 256, 512), (32, 64), (2, 4, 8), (1, 2, 4)):
         split = max(1, -(-per_unit * units // -(-n // bn)))
         out.append(GemvConfig(bn, bk, split, warps))
     return out
