@@ -89,14 +89,15 @@ def test_default_configs_run(m):
 
 
 def test_configs_are_the_measured_tiles():
-    """The tiles picked are the ones the H100 sweeps found fastest (see the config functions' docstrings)."""
+    """The tiles picked are the ones the sweeps found fastest (see the config functions' docstrings)."""
     gemv = [gemv_config(n, k, 128, 132) for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]]
     assert [(c.block_n, c.block_k, c.split_k) for c in gemv] == [(64, 128, 6), (64, 128, 9), (64, 128, 2),
                                                                  (64, 128, 9)]
     assert gemv_config(4096, 4096, 32, 132).block_k == 32
-    tiled = [int4.int4_config(m, n, k, 128, 132) for m, n, k in [(16, 4096, 4096), (64, 4096, 14336), (64, 28672, 4096)]]
+    tiled = [int4.int4_config(m, n, k, 128, 132)
+             for m, n, k in [(16, 4096, 4096), (64, 4096, 14336), (64, 28672, 4096), (16, 6144, 4096)]]
     assert [(c.block_m, c.block_n, c.block_k, c.split_k) for c in tiled] == [(16, 64, 128, 4), (64, 64, 128, 4),
-                                                                            (64, 64, 128, 1)]
+                                                                            (64, 128, 128, 3), (16, 64, 128, 4)]
 
 
 def test_split_k_is_deterministic():

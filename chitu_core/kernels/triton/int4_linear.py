@@ -40,14 +40,18 @@ class Int4Config:
 
 
 def int4_config(m: int, n: int, k: int, group_size: int, num_compute_units: int) -> Int4Config:
-    """Tiles by shape, from the sweep on an H100 at Llama-3.1-8B's shapes (plugins/nvidia/scripts/quant_sweep.py,
-    SWEEP_M="16 64"): 16 or 64 rows by 64 columns, 128 features a step, K split (up to 4 ways) until there
-    are about two programs per compute unit."""
+    """Tiles by shape: 16 or 64 rows by 64 columns (128 for wide weights, n >= 16384: a gated pair's),
+    128 features a step, K split (up to 4 ways) until there are about four programs per compute unit.
+    From the sweeps at Llama-3.1-8B's shapes (plugins/nvidia/scripts/quant_sweep.py, SWEEP_M="16 64"): on
+    an H100 these tiles with two programs a unit; on an H200 (page docs/benchmarks/nvidia-h200-int4-gemv.md,
+    quant_sweep-int4.txt) this rule's tiles were the fastest of 48 at qkv, o and down, and gate/up within
+    10% of its fastest (128 columns there, where 64 had been 15-23% slower)."""
     del group_size
     block_m = 16 if m <= 16 else 64
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
-    split = max(1, min(4, triton.cdiv(k, 128), triton.cdiv(2 * num_compute_units, programs)))
-    return Int4Config(block_m, 64, 128, split)
+    block_n = 128 if n >= 16384 else 64
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = max(1, min(4, triton.cdiv(k, 128), triton.cdiv(4 * num_compute_units, programs)))
+    return Int4Config(block_m, block_n, 128, split)
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split", "split"])
