@@ -54,14 +54,18 @@ def int4_config(m: int, n: int, k: int, group_size: int, num_compute_units: int)
     return Int4Config(block_m, block_n, 128, split)
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split", "split"])
+@triton.jit(do_not_specialize=["M", "split"])
 def _int4_kernel(
     out, partials, counters, x, qweight, scales, zeros, bias, M, N, K, group_size, k_per_split, split,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_TILE: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out[m, n] = sum over K of x[m, k] * W[n, k] (+ bias), this program's slice of K."""
+    """out[m, n] = sum over K of x[m, k] * W[n, k] (+ bias), this program's slice of K. EVEN_K: every tile
+    lies inside K (slices are whole tiles), so loads are masked by rows and columns only and x's tile can
+    load in wide vectors. On an H200, a scratch copy of this kernel without the masks along K (and with M
+    specialized) ran 15-37% faster at Llama-3.1-8B's shapes at 16 and 64 rows; this kernel as changed
+    is not yet timed there."""
     gdc_enter(PDL)
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,10 +81,14 @@ def _int4_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + rk
-        k_ok = k < k_hi
         packed = k0 // 8 + ri
-        words = tl.load(w_cols + packed.to(tl.int64)[:, None] * stride_qk, mask=(packed * 8 < k_hi)[:, None] & n_ok[None, :],
-                        other=0)  # [BLOCK_K / 8, BLOCK_N]
+        if EVEN_K:
+            k_ok = tl.full((BLOCK_K,), True, tl.int1)
+            w_mask = n_ok[None, :]
+        else:
+            k_ok = k < k_hi
+            w_mask = (packed * 8 < k_hi)[:, None] & n_ok[None, :]
+        words = tl.load(w_cols + packed.to(tl.int64)[:, None] * stride_qk, mask=w_mask, other=0)  # [BLOCK_K / 8, BLOCK_N]
         nibbles = (words[:, None, :] >> (jj * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: feature 8i + j
         q = (tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -92,9 +100,9 @@ def _int4_kernel(
             acc += tl.dot(a, wq, input_precision=PRECISION) * s[None, :]
         else:  # each row's group: s, z [BLOCK_K, BLOCK_N]
             grp = (k // group_size)[:, None]
-            w_mask = k_ok[:, None] & n_ok[None, :]
-            s = tl.load(scales + grp * stride_sg + rn[None, :] * stride_sn, mask=w_mask, other=0.0).to(tl.float32)
-            z = tl.load(zeros + grp * stride_zg + rn[None, :] * stride_zn, mask=w_mask, other=0.0).to(tl.float32)
+            g_mask = k_ok[:, None] & n_ok[None, :]
+            s = tl.load(scales + grp * stride_sg + rn[None, :] * stride_sn, mask=g_mask, other=0.0).to(tl.float32)
+            z = tl.load(zeros + grp * stride_zg + rn[None, :] * stride_zn, mask=g_mask, other=0.0).to(tl.float32)
             acc = tl.dot(a, ((q - z) * s).to(a.dtype), acc, input_precision=PRECISION)
     tile = pid_m * tl.num_programs(1) + pid_n
     finish_split(acc, out, partials, counters, bias, rm, rn, m_ok[:, None] & n_ok[None, :], M, N, N, stride_b,
@@ -142,6 +150,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         out, partials, split_counters(x.device), rows, qweight, scales, zeros, b, m, n, k, group_size, k_per_split,
         split, rows.stride(0), rows.stride(1), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_TILE=group_size % cfg.block_k == 0,
+        EVEN_K=k % cfg.block_k == 0,
         SPLIT_K=split > 1, HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # ignored for 16-bit operands
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device))
