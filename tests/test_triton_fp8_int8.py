@@ -136,6 +136,17 @@ def test_fp8_linear_paths_match_the_reference(path, block, act_quant):
         assert rel_error(got, want) < 2e-6, (entry.__name__, rel_error(got, want))
 
 
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+@pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
+def test_fp8_linear_paths_with_k_a_whole_number_of_tiles(block, act_quant):
+    """K = 256: every path's tiles lie inside K, so its loads go unmasked along K (EVEN_K)."""
+    x, weight, scales, bias = fp8_operands(3, 256, 136, block, seed=5)
+    want = ref.fp8_linear(x.double(), weight, scales.double(), block, act_quant, bias.double())
+    for path, config in PATHS.items():
+        got = fp8_linear.fp8_linear(x, weight, scales, block, act_quant, bias, config=config)
+        assert rel_error(got, want) < 2e-6, (path, rel_error(got, want))
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
 def test_int8_linear_paths_match_the_reference(path, act_quant):

@@ -107,8 +107,10 @@ def _quant_matmul_kernel(
     W_KIND: tl.constexpr, A_MODE: tl.constexpr, W_BLOCKS: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr,
     QMAX: tl.constexpr, CT: tl.constexpr, ACC_T: tl.constexpr, W_FACTOR: tl.constexpr, DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    """EVEN_K: K is a whole number of BLOCK_K tiles (and so is every slice), so no load is masked along K
+    and a tile's rows may load in wide vectors (as ``int4_linear``'s kernel)."""
     gdc_enter(PDL)
     INLINE: tl.constexpr = A_MODE == "fp8" or A_MODE == "int8"
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -125,7 +127,10 @@ def _quant_matmul_kernel(
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + kk
-            xf = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            if EVEN_K:
+                xf = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
+            else:
+                xf = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(xf.to(tl.float32)), axis=1))
         a_scale = group_scale(amax, QMAX)
     if A_MODE == "pre" and not W_BLOCKS:
@@ -133,7 +138,10 @@ def _quant_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_T)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
-        k_ok = k < k_hi
+        if EVEN_K:
+            k_ok = tl.full((BLOCK_K,), True, tl.int1)
+        else:
+            k_ok = k < k_hi
         w = weight_tile(w_rows + k[None, :] * stride_wk, n_ok[:, None] & k_ok[None, :], W_KIND, CT)  # [BN, BK]
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         if INLINE:
@@ -217,7 +225,7 @@ def quant_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bi
         W_KIND=w_kind, A_MODE=a_mode, W_BLOCKS=block_size is not None, BN_W=bn_w, BK_W=bk_w,
         QMAX=INT8_MAX if act_quant == "int8" else FP8_MAX, CT=ct, ACC_T=acc_t,
         W_FACTOR=FP8_BYTES_FACTOR if w_kind == "fp8_bytes" else 1.0, DOT=dot, HAS_BIAS=bias is not None,
-        PARTIALS=split > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        PARTIALS=split > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device))
     return out.view(*x.shape[:-1], n)
 
