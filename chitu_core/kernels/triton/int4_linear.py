@@ -44,8 +44,8 @@ def int4_config(m: int, n: int, k: int, group_size: int, num_compute_units: int)
     128 features a step, K split (up to 4 ways) until there are about four programs per compute unit.
     From the sweeps at Llama-3.1-8B's shapes (plugins/nvidia/scripts/quant_sweep.py, SWEEP_M="16 64"): on
     an H100 these tiles with two programs a unit; on an H200 (page docs/benchmarks/nvidia-h200-int4-gemv.md,
-    quant_sweep-int4.txt) this rule's tiles were the fastest of 48 at qkv, o and down, and gate/up within
-    10% of its fastest (128 columns there, where 64 had been 15-23% slower)."""
+    quant_sweep-int4.txt) this rule's tiles were the fastest of 48 at qkv, o and down, and gate/up's within
+    11% of the fastest, which takes 128 columns too (64 had been 15-23% slower in a scratch sweep)."""
     del group_size
     block_m = 16 if m <= 16 else 64
     block_n = 128 if n >= 16384 else 64

@@ -144,7 +144,8 @@ def int4_gemv_config(n: int, k: int, group_size: int, compute_units: int) -> Gem
     """Four columns a thread: 128 columns for one warp, 64 features a step; wide weights (n >= 16384, a
     gated pair's) 512 columns for two warps and 32 features a step. Fewer features a step where the
     group is smaller. K split until there are about eight programs per compute unit. On an H200 at
-    Llama-3.1-8B's shapes these were the fastest of 180 tiles each (plugins/nvidia/scripts/gemv_sweep.py)."""
+    Llama-3.1-8B's shapes no tile of plugins/nvidia/scripts/gemv_sweep.py's 54 beat these by more than
+    the sweep's own run-to-run spread (gemv_sweep.txt beside docs/benchmarks/nvidia-h200-int4-gemv.md)."""
     block_n, warps, block_k = (512, 2, 32) if n >= 16384 else (128, 1, 64)
     block_k = next(b for b in (block_k, 32, 16, 8) if b <= block_k and group_size % b == 0)
     programs = triton.cdiv(n, block_n)
