@@ -21,10 +21,17 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 def integral(v):
-    """JSON Schema's integers include 16.0, which pydantic's strict mode refuses: make it 16 (in lists too)."""
+    """JSON Schema's integers include 16.0, which pydantic's strict mode refuses: make it 16 (in lists too).
+    A list of ints (a prompt of token ids) is returned as it is, its types checked in one C-level pass."""
     if isinstance(v, float) and v.is_integer():
         return int(v)
-    return [integral(x) for x in v] if isinstance(v, list) else v
+    if isinstance(v, list):
+        return v if _all_ints(v) else [integral(x) for x in v]
+    return v
+
+
+def _all_ints(v: list) -> bool:
+    return set(map(type, v)) <= {int}
 
 
 class _Request(BaseModel):
@@ -196,7 +203,7 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _not_empty(cls, v):  # before the union's checks, whose messages would name each of its types
-        if v == "" or v == [] or (isinstance(v, list) and any(p == "" or p == [] for p in v)):
+        if v == "" or v == [] or (isinstance(v, list) and not _all_ints(v) and any(p == "" or p == [] for p in v)):
             raise ValueError("the prompt is empty; give a non-empty string, list of token ids, or list of either")
         return integral(v)
 
