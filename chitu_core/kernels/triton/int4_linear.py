@@ -23,7 +23,7 @@ import triton.language as tl
 from chitu_core.kernels.triton.common import as_rows, num_compute_units
 from chitu_core.kernels.triton.gemv import GemvConfig, int4_gemv
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
-from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, split_counters
+from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, k_mask, split_counters
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,9 @@ def _int4_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + rk
         packed = k0 // 8 + ri
-        if EVEN_K:
-            k_ok = tl.full((BLOCK_K,), True, tl.int1)
-            w_mask = n_ok[None, :]
-        else:
-            k_ok = k < k_hi
-            w_mask = (packed * 8 < k_hi)[:, None] & n_ok[None, :]
-        words = tl.load(w_cols + packed.to(tl.int64)[:, None] * stride_qk, mask=w_mask, other=0)  # [BLOCK_K / 8, BLOCK_N]
+        k_ok = k_mask(k, k_hi, EVEN_K)
+        words = tl.load(w_cols + packed.to(tl.int64)[:, None] * stride_qk,
+                        mask=k_mask(packed * 8, k_hi, EVEN_K)[:, None] & n_ok[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
         nibbles = (words[:, None, :] >> (jj * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: feature 8i + j
         q = (tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)

@@ -38,7 +38,7 @@ from chitu_core.kernels.triton.act_quant import (
 )
 from chitu_core.kernels.triton.common import as_rows, num_compute_units, pow2
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
-from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, split_counters
+from chitu_core.kernels.triton.split_k import check_split_tiles, finish_split, k_mask, split_counters
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -127,10 +127,7 @@ def _quant_matmul_kernel(
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + kk
-            if EVEN_K:
-                xf = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
-            else:
-                xf = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            xf = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_mask(k, K, EVEN_K)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(xf.to(tl.float32)), axis=1))
         a_scale = group_scale(amax, QMAX)
     if A_MODE == "pre" and not W_BLOCKS:
@@ -138,10 +135,7 @@ def _quant_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_T)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
-        if EVEN_K:
-            k_ok = tl.full((BLOCK_K,), True, tl.int1)
-        else:
-            k_ok = k < k_hi
+        k_ok = k_mask(k, k_hi, EVEN_K)
         w = weight_tile(w_rows + k[None, :] * stride_wk, n_ok[:, None] & k_ok[None, :], W_KIND, CT)  # [BN, BK]
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         if INLINE:

@@ -72,6 +72,15 @@ def row_slice(N, K, k_per_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def k_mask(k, k_hi, EVEN_K: tl.constexpr):
+    """Which features k lie below k_hi. EVEN_K (K a whole number of tiles, and so every slice): all of them,
+    as a constant the compiler sees, so that loads along K are not split element by element."""
+    if EVEN_K:
+        return tl.full(k.shape, True, tl.int1)
+    return k < k_hi
+
+
+@triton.jit
 def finish_split(acc, out, partials, counters, bias, rm, rn, mask, M, N, stride_om, stride_b, tile, pid_s, split,
                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Store acc [BM, BN] (float32 sums over this program's slice of K; rows rm, columns rn) into out
