@@ -18,7 +18,8 @@ Options: ``weight_block_size`` ([bn, bk] or None), ``strategy`` ("block", "chann
 default block with a block size, else channel), ``format`` ("fp8": the first two layouts' names,
 or "compressed-tensors"), ``static_input_scale``, and ``act_quant``: False (default) is soft FP8,
 the weights dequantized inside the GEMM with 16-bit activations; True quantizes activations to FP8
-per token group as well (a backend whose device multiplies FP8 prefers it). ``repack`` leaves every
+per token group as well (a backend whose device multiplies FP8 prefers it); a number of rows N
+(contract 1.17) quantizes them for inputs of at least N rows only (``activations``). ``repack`` leaves every
 variant in the op's canonical form: ``weight`` float8_e4m3fn [N, K] contiguous and ``weight_scale``
 float32 [N] or [ceil(N/bn), ceil(K/bk)]. ``quantize`` (in situ, conformance) is round-to-nearest
 with scale = amax / 448 per block, channel or tensor.
@@ -41,6 +42,7 @@ from torch import nn
 
 from chitu_core.errors import ChituError, ModelLoadError
 from chitu_core.ops.quant_reference import FP8_MAX, dequantize_fp8
+from chitu_core.quantization.activations import check_act_quant, quantizes_activations
 from chitu_core.quantization.base import QuantMethod
 from chitu_core.quantization.ct_config import require, single_scheme, weight_type
 from chitu_core.quantization.params import quant_param
@@ -78,6 +80,10 @@ class Fp8Method(QuantMethod):
     defaults = {"weight_block_size": None, "strategy": None, "format": "fp8", "static_input_scale": False,
                 "act_quant": False}
     checkpoint_formats = ("fp8",)
+
+    def __init__(self, options: Mapping[str, Any] | None = None, in_situ: bool = False):
+        super().__init__(options, in_situ)
+        check_act_quant(self.name, self.options["act_quant"])
 
     @classmethod
     def claims(cls, quantization_config: Mapping[str, Any]) -> bool:
@@ -175,7 +181,7 @@ class Fp8Method(QuantMethod):
 
     def apply(self, layer, x, bias, ops):
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, self.block_size,
-                              bool(self.options["act_quant"]), bias)
+                              quantizes_activations(self.options["act_quant"], x), bias)
 
     # --- routed MoE experts ---------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ bit widths are errors naming the config field.
 
 In situ (``--quantization int8``): symmetric round-to-nearest per channel, scale = amax / 127.
 Option ``act_quant`` (default True, W8A8): activations quantized to int8 per token at run time;
-False multiplies 16-bit activations by the int8 weights (W8A16). ``repack`` leaves ``weight`` int8
+False multiplies 16-bit activations by the int8 weights (W8A16); a number of rows N (contract 1.17):
+W8A8 for inputs of at least N rows only (``activations``). ``repack`` leaves ``weight`` int8
 [N, K] contiguous and ``weight_scale`` float32 [N], the op's canonical form.
 """
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from chitu_core.errors import ChituError
+from chitu_core.quantization.activations import check_act_quant, quantizes_activations
 from chitu_core.quantization.base import QuantMethod
 from chitu_core.quantization.ct_config import require, single_scheme, weight_type
 from chitu_core.quantization.fp8 import amax_scale
@@ -36,6 +38,10 @@ class Int8Method(QuantMethod):
     name = "int8"
     kernels = ("int8_linear",)
     defaults = {"strategy": "channel", "act_quant": True}
+
+    def __init__(self, options: Mapping[str, Any] | None = None, in_situ: bool = False):
+        super().__init__(options, in_situ)
+        check_act_quant(self.name, self.options["act_quant"])
 
     @classmethod
     def claims(cls, quantization_config: Mapping[str, Any]) -> bool:
@@ -97,4 +103,5 @@ class Int8Method(QuantMethod):
         return layer.weight.float() * layer.weight_scale.float()[:, None]
 
     def apply(self, layer, x, bias, ops):
-        return ops.int8_linear(x, layer.weight, layer.weight_scale, bool(self.options["act_quant"]), bias)
+        return ops.int8_linear(x, layer.weight, layer.weight_scale, quantizes_activations(self.options["act_quant"], x),
+                               bias)

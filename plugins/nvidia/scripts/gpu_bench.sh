@@ -12,8 +12,9 @@
 # with dummy weights, MOE_BENCH "config:batch ..."; PEER=hf compares transformers on its own random weights), quant
 # (quantized linears' and methods' conformance rows, quant_check.py: in-situ fp8/int8/int4 and the fp8 KV cache on
 # the Llama-3.1-8B config against bf16), quantbench (Llama-3.1-8B config, dummy weights, QUANT_BENCH "method:batch ..."
-# with method bf16, fp8, int8 or int4), emulate (the Hygon and MetaX backends in emulation, CHITU_EMULATE: their
-# conformance suites in parts side by side, merged; EMULATED names them), emulatebench (their greedy tokens against
+# with method bf16, fp8, int8 or int4; QUANT_TAG, a suffix to the runs' names, tells apart runs of other settings),
+# emulate (the Hygon and MetaX backends in emulation, CHITU_EMULATE: their conformance suites in parts side by side,
+# merged; EMULATED names them), emulatebench (their greedy tokens against
 # this backend's: emulation_check.py; Llama-3.1-8B config, dummy weights, batch 1 and 64 on this backend and each),
 # longctx (Qwen3-1.7B config, dummy bf16 weights, LONGCTX "batch:input:output ...": long contexts at small batch),
 # breakdown (bench profile, a decode step by module: BREAKDOWN "config:batch[:input] ...", dummy bf16 weights; under
@@ -146,7 +147,7 @@ PY
     quantbench) [ -d /tmp/llama8b-config ] || python3 -m chitu_core.bench random-model --like llama-3.1-8b --config-only --out /tmp/llama8b-config
                 for spec in ${QUANT_BENCH:-bf16:1 int4:1 fp8:1 int8:1 bf16:64 int4:64 fp8:64 int8:64}; do
                   q=${spec%%:*}; b=${spec##*:}
-                  bench llama8b-$q-b$b --model /tmp/llama8b-config --batch-size $b --load-format dummy --dtype bfloat16 \
+                  bench llama8b-$q-b$b${QUANT_TAG:-} --model /tmp/llama8b-config --batch-size $b --load-format dummy --dtype bfloat16 \
                     $([ $q = bf16 ] || echo --quantization $q)
                 done ;;
     check) OUT=$OUT python3 "$ROOT/plugins/nvidia/scripts/gpu_check.py" environment build_model model_vs_transformers profile ;;
