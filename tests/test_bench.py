@@ -190,3 +190,22 @@ def test_report_of_a_prefill_graphs_check(tmp_path):
     assert "| llama | whole | True | 8 / 8 | 4.77e-07 |" in page[start:]
     assert "| qwen3 | 48 | True | 7 / 8 | 5.00e-01 |" in page[start:]
     assert "| 1 | 128 | 20.68 | 7.81 | 2.65x |" in page[start:]
+
+
+def test_report_of_a_quant_check(tmp_path):
+    """``quant_check.py``'s JSON renders as its section: a row per method with its bound's verdict, and the FP8
+    KV cache's blocks and near-tie verdict."""
+    check = {"bf16": {"blocks": 512, "weight_gb": 16.06},
+             "fp8": {"nmse": 0.0141, "bound": 0.0416, "ok": True, "agree": [0, 32], "quant": "fp8 (in situ)",
+                     "weight_gb": 9.08, "fallback": []},
+             "int4": {"nmse": 0.2, "bound": 0.1408, "ok": False, "agree": [3, 0], "quant": "awq (in situ)",
+                      "weight_gb": 5.81, "fallback": []},
+             "kv_fp8": {"blocks": 1024, "ratio": 2.0, "agree": [29, 32], "near_tie_ok": True, "nmse_first": 0.00218}}
+    (tmp_path / "quant_check.json").write_text(json.dumps(check))
+    page = bench("report", str(tmp_path)).splitlines()
+    start = page.index("## Quantized in situ against the bf16 model (`plugins/nvidia/scripts/quant_check.py`)")
+    assert page[start + 4:start + 8] == [
+        "| bf16 | unquantized | 16.06 | - | - | 512 |",
+        "| fp8 | fp8 (in situ) | 9.08 | 1.41e-02 (0.0416: ok) | [0, 32] | - |",
+        "| int4 | awq (in situ) | 5.81 | 2.00e-01 (0.1408: FAILED) | [3, 0] | - |",
+        "| fp8 KV cache | bf16 weights | - | 2.18e-03 | [29, 32] (divergences on near-ties) | 1024 (2.00x) |"]

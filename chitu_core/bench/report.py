@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from chitu_core.bench.report_backends import emulation_table, emulation_tokens_lines
-from chitu_core.bench.report_kernels import attention_sweep_lines, breakdown_lines, prefill_graphs_lines
+from chitu_core.bench.report_kernels import (attention_sweep_lines, breakdown_lines, prefill_graphs_lines,
+                                            quant_check_table)
 from chitu_core.bench.report_scaleout import allreduce_lines, cpu_experts_lines, scaling_table, tokens_line
 from chitu_core.bench.server_memory import render as render_memory
 
@@ -217,6 +218,9 @@ def render(directory: Path) -> str:
     if "cpu_experts" in loaded:
         lines += ["## MoE experts on the CPU (`plugins/nvidia/scripts/cpu_experts_check.py`)", "",
                   *cpu_experts_lines(loaded["cpu_experts"]), ""]
+    if "quant_check" in loaded:
+        lines += ["## Quantized in situ against the bf16 model (`plugins/nvidia/scripts/quant_check.py`)", "",
+                  *quant_check_table(loaded["quant_check"]), ""]
     if "prefill_graphs_check" in loaded:
         lines += ["## Prefill steps in graphs (`plugins/nvidia/scripts/prefill_graphs_check.py`)", "",
                   *prefill_graphs_lines(loaded["prefill_graphs_check"]), ""]

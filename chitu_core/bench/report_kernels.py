@@ -1,5 +1,5 @@
-"""Report sections of kernel sweeps run on the lent machines (``plugins/nvidia/scripts/*_sweep.py``), and of a
-decode step by module (``bench profile``)."""
+"""Report sections of kernel sweeps and checks run on the lent machines (``plugins/nvidia/scripts/*_sweep.py``,
+``prefill_graphs_check.py``, ``quant_check.py``), and of a decode step by module (``bench profile``)."""
 
 from typing import Any
 
@@ -47,4 +47,23 @@ def prefill_graphs_lines(check: dict[str, Any]) -> list[str]:
     for r in check["steps"]:
         lines.append(f"| {r['requests']} | {r['tokens']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} "
                      f"| {r['eager_ms'] / r['graph_ms']:.2f}x |")
+    return lines
+
+
+def quant_check_table(check: dict[str, Any]) -> list[str]:
+    """``quant_check.py``'s JSON: each in-situ method against the bf16 model (last-token logits NMSE of four
+    prompts, greedy tokens equal before the first divergence), and the FP8 KV cache's blocks and tokens."""
+    lines = ["| variant | method | weights GB | logits NMSE vs bf16 (bound) | greedy tokens equal before divergence "
+             "(of 32, each prompt) | KV blocks |", "|---|---|---|---|---|---|",
+             f"| bf16 | unquantized | {check['bf16']['weight_gb']:.2f} | - | - | {check['bf16']['blocks']} |"]
+    for name in ("fp8", "int8", "int4"):
+        if name in check:
+            r = check[name]
+            lines.append(f"| {name} | {r['quant']} | {r['weight_gb']:.2f} | {r['nmse']:.2e} ({r['bound']:g}: "
+                         f"{'ok' if r['ok'] else 'FAILED'}) | {r['agree']} | - |")
+    if "kv_fp8" in check:
+        kv = check["kv_fp8"]
+        tie = "divergences on near-ties" if kv["near_tie_ok"] else "a divergence off a near-tie: FAILED"
+        lines.append(f"| fp8 KV cache | bf16 weights | - | {kv['nmse_first']:.2e} | {kv['agree']} ({tie}) | "
+                     f"{kv['blocks']} ({kv['ratio']:.2f}x) |")
     return lines

@@ -65,10 +65,10 @@ class NvidiaBackend(TritonBackend):
         """FP8 weights: 16-bit activations (soft FP8, the weights dequantized inside the product) for calls
         of fewer than ``FP8_ACT_QUANT_ROWS`` rows, FP8 activations from there (contract 1.17) where the
         device multiplies FP8 (compute capability 8.9 and newer; before it, 16-bit always). On an H200 at
-        the Llama-3.1-8B config (docs/benchmarks/nvidia-h200-fp8-rows.md): batch 16 decodes at 3,761 tok/s
-        soft and 2,717 with FP8 activations, batch 64 at 8,084 and 12,616; batch 1 is bound by the
-        weights' bytes, which 16-bit activations do not add to. int8 weights with int8 activations (int8
-        tensor cores since Turing)."""
+        the Llama-3.1-8B config (docs/benchmarks/nvidia-h200-fp8-rows.md), decode tok/s with 16-bit against
+        FP8 activations: batch 16 3,751 against 2,722, batch 32 4,393 against 7,180, batch 64 8,097 against
+        12,607; a step of few rows is bound by the weights' bytes, which 16-bit activations do not add to.
+        int8 weights with int8 activations (int8 tensor cores since Turing)."""
         if method == "fp8":
             return {"act_quant": FP8_ACT_QUANT_ROWS if _multiplies_fp8() else False}
         if method == "int8":
