@@ -53,6 +53,19 @@ def test_report_shows_the_breakdown(result, tmp_path):
     assert "| `model.layers.*.self_attn.qkv_proj` | QKVParallelLinear | 2 |" in page
 
 
+def test_in_situ_quantization_profiles_the_quantized_bytes(tiny_dir, result, tmp_path):  # noqa: F811
+    out = json.loads(bench("profile", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size",
+                           "1", "--input-len", str(INPUT), "--steps", "1", "--quantization", "int8", "--json"))
+    assert out["quantization"].startswith("int8 (in situ)") and result["quantization"] == "unquantized"
+    q8, f32 = ({r["site"]: r["bytes"] for r in x["rows"]} for x in (out, result))
+    c = CONFIGS["tiny"]
+    down = c["intermediate_size"] * c["hidden_size"]  # int8 weights and a float32 scale per output channel
+    assert q8["model.layers.*.mlp.down_proj"] == c["num_hidden_layers"] * (down + 4 * c["hidden_size"])
+    assert f32["model.layers.*.mlp.down_proj"] == c["num_hidden_layers"] * down * 4
+    (tmp_path / "breakdown-tiny-int8-b1.json").write_text(json.dumps(out))
+    assert f"cpu float32, weights {out['quantization']}: " in render(tmp_path)
+
+
 def test_a_modules_own_time_leaves_out_the_modules_inside_it():
     class Slow(nn.Module):
         def __init__(self):

@@ -192,7 +192,7 @@ def breakdown(llm: LLM, batch: int, input_len: int, steps: int, warmup_steps: in
         g["gbps"] = g["bytes"] / (g["us"] * 1e3) if g["bytes"] and g["us"] else None
         g["us"], g["calls"] = round(g["us"], 2), round(g["calls"], 2)
     return {"model": llm.config.model, "backend": engine.backend.name, "dtype": str(engine.dtype).removeprefix("torch."),
-            "batch": batch, "input_len": input_len, "steps": steps, "time": "device kernels" if device else "host",
+            "quantization": engine.quant.describe(), "batch": batch, "input_len": input_len, "steps": steps, "time": "device kernels" if device else "host",
             "step_us": round(total / steps, 2), "other_us": round(outside / steps, 2), "rows": rows}
 
 
@@ -204,6 +204,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10, help="decode steps profiled")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4"],
+                        help="quantize a 16-bit (or dummy) model's linears in situ, as bench offline does")
     parser.add_argument("--json", action="store_true", help="print the result as JSON (bench report reads breakdown-*.json)")
     parser.set_defaults(run=run)
 
@@ -212,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or args.input_len < 1 or args.steps < 1:
         raise SystemExit("bench profile: --batch-size, --input-len and --steps must be at least 1")
     llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, load_progress=False,
-              enforce_eager=True, async_scheduling=False, max_num_seqs=args.batch_size,
+              enforce_eager=True, async_scheduling=False, max_num_seqs=args.batch_size, quantization=args.quantization,
               max_model_len=args.input_len + args.steps + 16)
     result = breakdown(llm, args.batch_size, args.input_len, args.steps)
     print(json.dumps(result, indent=1) if args.json else "\n".join(breakdown_lines(result)))

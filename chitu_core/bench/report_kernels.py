@@ -20,8 +20,10 @@ def attention_sweep_lines(sweep: dict[str, Any]) -> list[str]:
 
 def breakdown_lines(result: dict[str, Any]) -> list[str]:
     """``bench profile --json``: a decode step's time by module, as a markdown table."""
+    quant = result.get("quantization", "unquantized")
+    weights = "" if quant == "unquantized" else f", weights {quant}"
     lines = [f"{result['model']}, batch {result['batch']} after {result['input_len']} prompt tokens, {result['backend']} "
-             f"{result['dtype']}: {result['step_us']:.1f} us of {result['time']} time a decode step "
+             f"{result['dtype']}{weights}: {result['step_us']:.1f} us of {result['time']} time a decode step "
              f"(mean of {result['steps']}), {result['other_us']:.1f} us of it outside the modules below.", "",
              "| module | kind | calls | us a step | share | MB a step | GB/s |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -17,7 +17,8 @@
 # merged; EMULATED names them), emulatebench (their greedy tokens against
 # this backend's: emulation_check.py; Llama-3.1-8B config, dummy weights, batch 1 and 64 on this backend and each),
 # longctx (Qwen3-1.7B config, dummy bf16 weights, LONGCTX "batch:input:output ...": long contexts at small batch),
-# breakdown (bench profile, a decode step by module: BREAKDOWN "config:batch[:input] ...", dummy bf16 weights; under
+# breakdown (bench profile, a decode step by module: BREAKDOWN "config:batch[:input[:quant]] ...", dummy bf16 weights,
+# quant fp8, int8 or int4 in situ; under
 # CHITU_PDL=0, since a kernel launched dependent counts the wait it overlaps as its own time), prefillgraphs (contract
 # 1.16's prefill graphs: greedy tokens with and without, one prefill step's time eager and replayed:
 # prefill_graphs_check.py).
@@ -134,12 +135,12 @@ PY
                PEER=none bench qwen3-1.7b-b$b-i$i --model /tmp/qwen3-1.7b --load-format dummy --dtype bfloat16 \
                  --batch-size $b --input-len $i --output-len $o --warmup 1
              done ;;
-    breakdown) for spec in ${BREAKDOWN:-smollm2-135m:1 llama-3.1-8b:1 llama-3.1-8b:64}; do  # config:batch[:input]
-               IFS=: read -r name b i <<< "$spec"
+    breakdown) for spec in ${BREAKDOWN:-smollm2-135m:1 llama-3.1-8b:1 llama-3.1-8b:64}; do  # config:batch[:input[:quant]]
+               IFS=: read -r name b i q <<< "$spec"
                [ -d /tmp/$name-config ] || python3 -m chitu_core.bench random-model --like $name --config-only --out /tmp/$name-config
+               f="$OUT/breakdown-$name${q:+-$q}-b$b"
                CHITU_PDL=0 python3 -m chitu_core.bench profile --model /tmp/$name-config --load-format dummy --dtype bfloat16 \
-                 --batch-size $b --input-len ${i:-128} --json > "$OUT/breakdown-$name-b$b.json" 2> "$OUT/breakdown-$name-b$b.err" \
-                 || tail -5 "$OUT/breakdown-$name-b$b.err"
+                 --batch-size $b --input-len ${i:-128} ${q:+--quantization $q} --json > "$f.json" 2> "$f.err" || tail -5 "$f.err"
              done ;;
     quant) python3 -m chitu_core.conformance --backend nvidia --ops '*_linear,quant/*' --dtypes bfloat16,float16,float32 \
              --format md --quiet > "$OUT/conformance-quant.md"; tail -14 "$OUT/conformance-quant.md"
