@@ -209,3 +209,21 @@ def test_report_of_a_quant_check(tmp_path):
         "| fp8 | fp8 (in situ) | 9.08 | 1.41e-02 (0.0416: ok) | [0, 32] | - |",
         "| int4 | awq (in situ) | 5.81 | 2.00e-01 (0.1408: FAILED) | [3, 0] | - |",
         "| fp8 KV cache | bf16 weights | - | 2.18e-03 | [29, 32] (divergences on near-ties) | 1024 (2.00x) |"]
+
+
+def test_report_names_each_attention_sweep(tmp_path):
+    """``attention_sweep.json`` renders under the plain heading, ``attention_sweep-NAME.json`` files each under
+    one naming its file; in the order of the file names."""
+    row = {"shape": "8b-b1", "key_tile_kb": 16, "warps": 4, "stages": None, "splits": 4, "us": 6.34, "floor_us": 0.25,
+           "of_floor": 0.039, "agrees": True}
+    for name, us in (("attention_sweep", 7.0), ("attention_sweep-a", 6.34), ("attention_sweep-b", 6.63)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"device": "Acme X1", "copy_gbps": 4000.0,
+                                                           "rows": [{**row, "us": us}]}))
+    page = bench("report", str(tmp_path)).splitlines()
+    heads = [i for i, line in enumerate(page) if line.startswith("## Decode attention by tile configuration")]
+    assert [page[i] for i in heads] == [
+        "## Decode attention by tile configuration (`plugins/nvidia/scripts/attention_sweep.py`, `attention_sweep-a.json`)",
+        "## Decode attention by tile configuration (`plugins/nvidia/scripts/attention_sweep.py`, `attention_sweep-b.json`)",
+        "## Decode attention by tile configuration (`plugins/nvidia/scripts/attention_sweep.py`)"]
+    assert [page[i + 6] for i in heads] == [f"| 8b-b1 | 16 | 4 | default | 4 | {us} | 0.25 | 4% | yes |"
+                                            for us in ("6.34", "6.63", "7.00")]

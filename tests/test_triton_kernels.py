@@ -255,6 +255,35 @@ def test_split_kv_decode(num_splits):
     check_step(attn, cache, tables, contexts, [1] * 4, written, scale)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_grid_equals_the_general_grid(num_splits):
+    """A pure decode step's plan takes the decode grid (a program per sequence and kv head, no search, values
+    loaded with keys); the general grid on the same step gives the same bits, and both the dense answer."""
+    import dataclasses
+
+    hq, hk, d, block_size = 8, 2, 64, 16
+    scale = 1 / math.sqrt(d)
+    contexts = [150, 1, 70, 260, 0]
+    tables, num_blocks = allocate_blocks([c + 1 for c in contexts], block_size, spare=2)
+    attn = make_attention(hq, hk, d, block_size, num_splits)
+    cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
+    written = fill_contexts(attn, cache, tables, contexts, scale)
+    meta = metadata(tables, contexts, [1] * 5, block_size)
+    step = attn.prepare(meta)
+    assert step.plan.decode and not attn.prepare(metadata(tables, contexts, [1, 1, 2, 1, 1], block_size)).plan.decode
+    q, k, v = qkv_views(5, hq, hk, d, DTYPE)
+    attn.forward(q, k, v, cache, meta, scale)  # writes the new keys and values; then attend on both grids
+    outs = []
+    for plan in (step.plan, dataclasses.replace(step.plan, decode=False)):
+        meta.backend_state = dataclasses.replace(step, plan=plan)
+        outs.append(attn.attend(q, cache, meta, scale))
+    assert torch.equal(outs[0], outs[1])
+    for b, c in enumerate(contexts):
+        ctx_k, ctx_v = written.get(b, (k[:0], v[:0]))
+        want = dense_attention(q[b : b + 1], torch.cat((ctx_k, k[b : b + 1])), torch.cat((ctx_v, v[b : b + 1])), c, scale)
+        torch.testing.assert_close(outs[0][b : b + 1].double(), want, **ATTN_TOL)
+
+
 def test_one_sequence_alone_splits_its_keys_by_the_plan():
     """A sequence decoding alone: the plan itself (nothing forced) splits 300 keys into ranges of at least
     64 (MIN_SPLIT_KEYS_ALONE), and the split step matches dense float64 attention."""

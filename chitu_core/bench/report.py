@@ -212,9 +212,10 @@ def render(directory: Path) -> str:
     if "allreduce" in loaded:
         lines += ["## All-reduce latency (`plugins/nvidia/scripts/allreduce_bench.py`)", "",
                   *allreduce_lines(loaded["allreduce"]), ""]
-    if "attention_sweep" in loaded:
-        lines += ["## Decode attention by tile configuration (`plugins/nvidia/scripts/attention_sweep.py`)", "",
-                  *attention_sweep_lines(loaded["attention_sweep"]), ""]
+    for name in (n for n in loaded if n == "attention_sweep" or n.startswith("attention_sweep-")):
+        which = "" if name == "attention_sweep" else f", `{name}.json`"
+        lines += [f"## Decode attention by tile configuration (`plugins/nvidia/scripts/attention_sweep.py`{which})", "",
+                  *attention_sweep_lines(loaded[name]), ""]
     if "cpu_experts" in loaded:
         lines += ["## MoE experts on the CPU (`plugins/nvidia/scripts/cpu_experts_check.py`)", "",
                   *cpu_experts_lines(loaded["cpu_experts"]), ""]

@@ -11,7 +11,11 @@ once for the whole group). It walks the sequence's keys in tiles of BLOCK_N
 with a flash-attention online softmax in float32 (exp2, the scale folded into
 log2 units), masking keys after each token's position (causal) and past the
 sequence. Programs find their sequence by binary search over query_start_loc,
-so the grid is the bound T // BLOCK_Q + B and needs no host-side index.
+so the grid is the bound T // BLOCK_Q + B and needs no host-side index. A pure
+decode step (one token a sequence, ``AttentionPlan.decode``) takes a grid of B
+programs a kv head instead, each its sequence's by index: no search, and its
+first loads (the sequence's length, its block table) wait on nothing but the
+program id; each key tile's values are loaded with its keys.
 
 Split-KV (decode with few sequences and long contexts): a third grid axis splits
 each sequence's key tiles into ``num_splits`` ranges; each program writes its
@@ -43,6 +47,11 @@ MIN_SPLIT_KEYS_ALONE = int(os.environ.get("CHITU_SPLIT_KEYS_ALONE", 64))
 """Fewest keys a range gets when one sequence decodes alone (one 16 KB key tile of 128 16-bit channels):
 its few (kv head) programs would otherwise walk the whole context each, one tile after another.
 CHITU_SPLIT_KEYS_ALONE sets another (256: as batches)."""
+DECODE_GRID = os.environ.get("CHITU_DECODE_GRID", "1") != "0"
+"""Pure decode steps take the kernel's decode grid (``AttentionPlan.decode``); CHITU_DECODE_GRID=0 leaves them
+to the general one (to compare). On an H200 at Llama-3.1-8B's heads and 256-token contexts the kernel took
+6.34 us against 6.63 at batch 1 (4 ranges), 25.0 against 25.5 at batch 64
+(docs/benchmarks/nvidia-h200-decode-grid.md)."""
 
 
 def decode_splits(programs: int, num_compute_units: int, max_query_len: int, num_seqs: int, max_seq_len: int,
@@ -82,17 +91,24 @@ def _attention_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     gdc_enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc + seq)
-    q_len = tl.load(query_start_loc + seq + 1) - q_start
-    q_first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if q_first >= q_len:
-        return
+    if DECODE:  # one token a sequence: query_start_loc[b] = b
+        seq = pid
+        q_start = pid
+        q_len = 1
+        q_first = 0
+    else:
+        seq = _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc + seq)
+        q_len = tl.load(query_start_loc + seq + 1) - q_start
+        q_first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        if q_first >= q_len:
+            return
     seq_len = tl.load(seq_lens + seq)
     context = seq_len - q_len
 
@@ -131,6 +147,9 @@ def _attention_kernel(
         block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         slot = block * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_tok
         k_tile = tl.load(kv + slot[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        if DECODE:  # issued beside the keys', so a tile waits on memory once
+            v_tile = tl.load(kv + stride_c_kv + slot[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                             other=0.0)
         if FP8:
             k_tile = k_tile.to(q_tile.dtype)
         s = tl.dot(q_tile, k_tile, input_precision=PRECISION, out_dtype=tl.float32) * scale_log2
@@ -145,7 +164,9 @@ def _attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_tile = tl.load(kv + stride_c_kv + slot[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if not DECODE:
+            v_tile = tl.load(kv + stride_c_kv + slot[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                             other=0.0)
         if FP8:
             v_tile = v_tile.to(q_tile.dtype)
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc=acc * alpha[:, None], input_precision=PRECISION,
@@ -207,6 +228,7 @@ class AttentionPlan:
     num_splits: int  # 1: no split
     num_warps: int
     num_stages: int | None = None
+    decode: bool = False  # every sequence brings one token (max_query_len 1): the kernel's decode grid
 
 
 def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, max_seq_len: int,
@@ -231,7 +253,7 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
         num_splits = decode_splits(num_seqs * num_kv_heads, num_compute_units, max_query_len, num_seqs, max_seq_len,
                                    MIN_SPLIT_KEYS, MIN_SPLIT_KEYS_ALONE, 16, tiles.decode_fill)
     return AttentionPlan(block_m, block_n, num_splits, tiles.warps if block_m <= 64 else tiles.wide_warps,
-                         tiles.decode_stages if small else None)
+                         tiles.decode_stages if small else None, DECODE_GRID and max_query_len == 1)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -264,7 +286,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     if split and workspace is None:
         workspace = split_workspace(t, num_heads, dim, step.num_splits, q.device)
     part_acc, part_max, part_sum = workspace if split else (out, out, out)
-    grid = (t // (step.block_m // group_p) + num_seqs, num_kv_heads, step.num_splits)
+    decode = step.decode and t == num_seqs  # with max_query_len 1, one token each
+    grid = (num_seqs if decode else t // (step.block_m // group_p) + num_seqs, num_kv_heads, step.num_splits)
     _attention_kernel[grid](
         out, part_acc, part_max, part_sum, q, kv_cache, block_tables, seq_lens, query_start_loc,
         kv_scale if fp8 else seq_lens, scale * LOG2E, (softcap or 1.0) * LOG2E, window or 0, num_seqs, num_heads,
@@ -273,7 +296,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         GROUP=group, GROUP_P=group_p, BLOCK_M=step.block_m, BLOCK_N=step.block_n, HEAD_DIM=dim, HEAD_P=head_p,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=split,
         PRECISION=float32_precision if q.dtype == torch.float32 else "tf32",  # ignored for 16-bit inputs
-        FP8=fp8, SOFTCAP=softcap is not None, WINDOW=window is not None, num_warps=step.num_warps,
+        FP8=fp8, SOFTCAP=softcap is not None, WINDOW=window is not None, DECODE=decode, num_warps=step.num_warps,
         **({} if step.num_stages is None else {"num_stages": step.num_stages}), **pdl_options(q.device),
     )
     if split:
