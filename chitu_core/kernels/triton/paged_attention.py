@@ -14,7 +14,7 @@ sequence. Programs find their sequence by binary search over query_start_loc,
 so the grid is the bound T // BLOCK_Q + B and needs no host-side index. A pure
 decode step (one token a sequence, ``AttentionPlan.decode``) takes a grid of B
 programs a kv head instead, each its sequence's by index: no search, and its
-first loads (the sequence's length, its block table) wait on nothing but the
+first loads (the sequence's length, its block table) depend on nothing but the
 program id; each key tile's values are loaded with its keys.
 
 Split-KV (decode with few sequences and long contexts): a third grid axis splits
