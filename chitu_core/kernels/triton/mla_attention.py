@@ -43,7 +43,7 @@ from chitu_core.attention.mla import MLAAttentionBackend
 from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.common import pow2
 from chitu_core.kernels.triton.kv_cache import store_kv, store_target
-from chitu_core.kernels.triton.paged_attention import (LOG2E, _find_seq, _reduce_splits_kernel, decode_splits,
+from chitu_core.kernels.triton.paged_attention import (LOG2E, _reduce_splits_kernel, decode_splits, find_query_block,
                                                       split_workspace)
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
 
@@ -92,10 +92,7 @@ def _mla_attention_kernel(
     gdc_enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // HEAD_BLOCK
     pid = tl.program_id(0)
-    seq = _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc + seq)
-    q_len = tl.load(query_start_loc + seq + 1) - q_start
-    q_first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    seq, q_start, q_len, q_first = find_query_block(query_start_loc, pid, num_seqs, BLOCK_Q)
     if q_first >= q_len:
         return
     seq_len = tl.load(seq_lens + seq)

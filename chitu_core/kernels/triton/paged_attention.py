@@ -80,6 +80,16 @@ def _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def find_query_block(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Program pid's sequence, that sequence's first new token and count of new tokens, and the program's
+    first token among them (past the count: a program of the grid's bound with nothing to do)."""
+    seq = _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    return seq, q_start, q_len, (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+
+
 # Ints that change from step to step are not specialized on (Triton would compile a variant for a
 # value of 1 and for multiples of 16): a server's arbitrary batches must not wait on the compiler.
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
@@ -103,10 +113,7 @@ def _attention_kernel(
         q_len = 1
         q_first = 0
     else:
-        seq = _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q)
-        q_start = tl.load(query_start_loc + seq)
-        q_len = tl.load(query_start_loc + seq + 1) - q_start
-        q_first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        seq, q_start, q_len, q_first = find_query_block(query_start_loc, pid, num_seqs, BLOCK_Q)
         if q_first >= q_len:
             return
     seq_len = tl.load(seq_lens + seq)
