@@ -57,8 +57,11 @@ def test_on_the_cpu_the_engine_core_runs_in_a_thread_of_the_server(served):
 def test_the_embedded_default_knows_the_capital_of_france(served):
     client = openai.OpenAI(base_url=served[0] + "/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    # "Name the capital of France.": every greedy step up to "Paris" leads by 1.38 nats or more. "What is the
+    # capital of France?" opens on a near-tie (0.08 nats in transformers-float32 on the dequantized weights), which
+    # the bfloat16 products of a machine without AVX-512 resolve to "L'Étoile" instead.
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=32,
-                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                       messages=[{"role": "user", "content": "Name the capital of France."}])
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"  # it ends its answer with the end-of-turn token
 

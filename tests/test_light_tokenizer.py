@@ -182,6 +182,8 @@ def test_an_hf_directory_keeps_autoconfig_and_gets_the_light_tokenizer(chat_mode
     assert not isinstance(model_dir.config, JsonConfig) and isinstance(model_dir.tokenizer(), LightTokenizer)
 
 
+# The prompt's greedy steps up to "Paris" each lead by over a nat, whatever the machine's vector width
+# (tests/test_embedded_server.py says why not "What is the capital of France?").
 NO_TRANSFORMERS = """
 import sys
 from chitu_core.engine.llm import LLM
@@ -190,7 +192,7 @@ from chitu_core.loader.tokenizer import LightTokenizer
 from chitu_core.sampling.params import SamplingParams
 
 llm = LLM(str(default_model_file()), num_threads=2, load_progress=False, max_model_len=512)
-out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12))
+out = llm.chat([{"role": "user", "content": "Name the capital of France."}], SamplingParams(temperature=0, max_tokens=12))
 assert isinstance(llm.tokenizer, LightTokenizer), llm.tokenizer
 assert llm.engine.eos_token_ids == {2}, llm.engine.eos_token_ids
 assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
