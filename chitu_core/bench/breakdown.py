@@ -192,7 +192,8 @@ def breakdown(llm: LLM, batch: int, input_len: int, steps: int, warmup_steps: in
         g["gbps"] = g["bytes"] / (g["us"] * 1e3) if g["bytes"] and g["us"] else None
         g["us"], g["calls"] = round(g["us"], 2), round(g["calls"], 2)
     return {"model": llm.config.model, "backend": engine.backend.name, "dtype": str(engine.dtype).removeprefix("torch."),
-            "quantization": engine.quant.describe(), "batch": batch, "input_len": input_len, "steps": steps, "time": "device kernels" if device else "host",
+            "quantization": engine.quant.describe(), "batch": batch, "input_len": input_len, "steps": steps,
+            "time": "device kernels" if device else "host",
             "step_us": round(total / steps, 2), "other_us": round(outside / steps, 2), "rows": rows}
 
 

@@ -83,8 +83,8 @@ def _int4_kernel(
         k = k0 + rk
         packed = k0 // 8 + ri
         k_ok = k_mask(k, k_hi, EVEN_K)
-        words = tl.load(w_cols + packed.to(tl.int64)[:, None] * stride_qk,
-                        mask=k_mask(packed * 8, k_hi, EVEN_K)[:, None] & n_ok[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
+        words = tl.load(w_cols + packed.to(tl.int64)[:, None] * stride_qk,  # [BLOCK_K / 8, BLOCK_N]
+                        mask=k_mask(packed * 8, k_hi, EVEN_K)[:, None] & n_ok[None, :], other=0)
         nibbles = (words[:, None, :] >> (jj * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: feature 8i + j
         q = (tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)

@@ -11,8 +11,7 @@ from chitu_core.errors import ChituError
 from chitu_core.kernels.triton.attention import TritonPagedAttention
 from chitu_core.kernels.triton.mla_attention import TritonMLAAttention
 from chitu_core.kernels.triton.paged_attention import TileConfig
-
-FP8_CAPABILITY = (8, 9)
+from chitu_nvidia.ops import FP8_CAPABILITY
 
 
 class FP8OnAdaAndNewer:

@@ -11,16 +11,11 @@ import os
 import torch
 
 from chitu_core.kernels.triton.backend import TritonBackend
-from chitu_nvidia.ops import nvidia_ops
+from chitu_nvidia.ops import has_fp8_types, nvidia_ops
 
 FP8_ACT_QUANT_ROWS = int(os.environ.get("CHITU_FP8_ACT_QUANT_ROWS", 32))
 """Rows from which the "fp8" method quantizes activations on devices that multiply FP8 (``quant_preferences``);
 CHITU_FP8_ACT_QUANT_ROWS sets another (to compare)."""
-
-
-def _multiplies_fp8() -> bool:
-    """Whether the current CUDA device has FP8 types (compute capability 8.9: Ada, Hopper and newer)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
 class NvidiaBackend(TritonBackend):
@@ -70,7 +65,7 @@ class NvidiaBackend(TritonBackend):
         12,607; a step of few rows is bound by the weights' bytes, which 16-bit activations do not add to.
         int8 weights with int8 activations (int8 tensor cores since Turing)."""
         if method == "fp8":
-            return {"act_quant": FP8_ACT_QUANT_ROWS if _multiplies_fp8() else False}
+            return {"act_quant": FP8_ACT_QUANT_ROWS if has_fp8_types() else False}
         if method == "int8":
             return {"act_quant": True}
         return {}

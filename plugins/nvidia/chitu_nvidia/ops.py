@@ -47,6 +47,16 @@ PAIRS_GEMV = os.environ.get("CHITU_PAIRS_GEMV", "1") != "0"
 """One row of 16-bit x through int4_linear, and through fp8_linear without activation quantization, takes
 ``int4_gemv`` / ``fp8_gemv`` (products in fp16 pairs, PTX); CHITU_PAIRS_GEMV=0 leaves them to the portable
 Triton kernels (to compare)."""
+FP8_CAPABILITY = (8, 9)
+"""Compute capability from which the GPU has FP8 types (Ada, Hopper and newer): Triton reads float8_e4m3fn
+and PTX converts e4m3 pairs to fp16 pairs in one instruction."""
+
+
+def has_fp8_types() -> bool:
+    """Whether the current CUDA device has FP8 types (``FP8_CAPABILITY``)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= FP8_CAPABILITY
+
+
 _dense_gemv: Callable | None = None  # bound by nvidia_ops(), which runs only where triton is installed
 _fused_gemv: Callable | None = None
 _MAX_ROWS = 0
@@ -151,12 +161,12 @@ def nvidia_ops() -> dict[str, Callable]:
                                 "mla_inputs": mla_inputs,  # contract 1.10
                                 "linear_float32": linear_float32,  # contract 1.11
                                 "int4_linear": int4_linear}
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+    if torch.cuda.is_available() and not has_fp8_types():
         from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes
         from chitu_core.kernels.triton.moe_fp8 import fused_experts_fp8_bytes
 
         ops["fp8_linear"] = fp8_linear_bytes
         ops["fused_experts_fp8"] = fused_experts_fp8_bytes
-    elif torch.cuda.is_available():  # e4m3 pairs convert to fp16 pairs in one instruction from 8.9
+    elif torch.cuda.is_available():  # e4m3 pairs convert to fp16 pairs in one instruction
         ops["fp8_linear"] = fp8_linear
     return ops
