@@ -62,7 +62,7 @@ def want(kind, x, w, nw, res):
 
 def tiles(rows):
     if rows == 1:
-        return [FusedGemvConfig(bn, bk, wp) for bn, bk, wp in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))
+        return [FusedGemvConfig(bn, bk, wp) for bn, bk, wp in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8))
                 if bn * bk <= 16384]
     return [FusedGemvConfig(bn, bk, wp, st) for bn, bk, wp, st in itertools.product((16, 32, 64), (64, 128, 256), (4, 8),
                                                                                   (2, 3, 4)) if bn * bk <= 8192]

@@ -1,5 +1,6 @@
 """Where a decode step's time goes, on the GPU: kernels by device time, launches and device time per
-step, and the wall time per step around them.
+step, the wall time per step around them, and the device's busy time (the kernels' union) with its idle
+gaps by the kernel that follows them (what a step waits on between kernels: the host, a transfer).
 
     python plugins/nvidia/scripts/profile_step.py --model DIR --batch-size 1 [--input-len 128] [--steps 20] [--quantization int4] [--out FILE]
     torchrun --nproc-per-node 2 plugins/nvidia/scripts/profile_step.py --model DIR --tensor-parallel-size 2 ...
@@ -18,6 +19,22 @@ from torch.profiler import ProfilerActivity, profile
 
 from chitu_core import LLM, SamplingParams
 from chitu_core.bench.offline import random_prompts
+
+
+def timeline(prof, steps: int, rows: int = 8) -> tuple[float, list[tuple[str, tuple[float, int]]]]:
+    """The device's busy time a step (the union of kernel intervals) and its idle gaps of over 0.5 us
+    between kernels, summed by the kernel that follows each gap (the largest ``rows``)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    busy, idle, end = 0.0, {}, None
+    for start, stop, name in spans:
+        if end is not None and start > end + 0.5:
+            us, count = idle.get(name, (0.0, 0))
+            idle[name] = (us + start - end, count + 1)
+        lo = start if end is None else max(start, end)
+        busy += max(0.0, stop - lo)
+        end = stop if end is None else max(end, stop)
+    return busy / steps / 1e3, sorted(idle.items(), key=lambda kv: -kv[1][0])[:rows]
 
 
 def main() -> None:
@@ -60,8 +77,11 @@ def main() -> None:
 
     overlap = ("; kernels launch dependent (CHITU_PDL=0 for times without the waits they overlap)"
                if pdl_launch(torch.device("cuda", torch.cuda.current_device())) else "")
+    busy_ms, idle = timeline(prof, n)
     lines = [f"{args.model} batch {b}: wall {wall_ms:.3f} ms/step, GPU {gpu_ms:.3f} ms/step in {launches:.0f} launches"
              + overlap,
+             f"device busy {busy_ms:.3f} ms/step (kernels' union); idle between kernels, by the kernel after the gap:",
+             *(f"{us / n:9.1f} us/step {count / n:6.1f} gaps/step  before {name[:80]}" for name, (us, count) in idle),
              f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel"]
     for e in kernels[: args.rows]:
         per_step = e.self_device_time_total / n
