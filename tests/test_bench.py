@@ -123,24 +123,33 @@ def test_unknown_config_is_an_argument_error(tmp_path, capsys):
     assert exc.value.code == 2 and "invalid choice: 'gpt-5'" in capsys.readouterr().err
 
 
-def test_committed_benchmark_pages_are_what_report_makes():
-    """Every docs/benchmarks/<name>.md is the output of `bench report` on the directory beside it."""
+def test_committed_benchmark_pages_are_what_report_makes(monkeypatch):
+    """Every docs/benchmarks/<name>.md is the output of `bench report` on the directory beside it (the report's
+    renderer called in this process, from the repository root as the pages' commands run; the command line
+    itself is checked by test_report_of_an_offline_run)."""
     from pathlib import Path
+
+    from chitu_core.bench.report import render
 
     root = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
     pages = sorted(root.glob("*.md"))
     assert pages
+    monkeypatch.chdir(root.parents[1])
     for page in pages:
-        directory = page.with_suffix("").relative_to(root.parents[1]).as_posix()
-        done = subprocess.run([sys.executable, "-m", "chitu_core.bench", "report", directory], cwd=root.parents[1],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout == page.read_text(), f"{page} differs from `bench report {directory}`: regenerate it"
+        directory = page.with_suffix("").relative_to(root.parents[1])
+        assert render(directory) == page.read_text(), \
+            f"{page} differs from `bench report {directory.as_posix()}`: regenerate it"
 
 
-def test_report_of_an_offline_run(tiny_dir, tmp_path):
-    out = bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size", "2",
-                "--input-len", "4", "--output-len", "3", "--warmup", "0", "--json")
+@pytest.fixture(scope="module")
+def tiny_b2_json(tiny_dir):
+    """`bench offline --json` of the tiny model at batch 2, shared by the report's tests."""
+    return bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size", "2",
+                 "--input-len", "4", "--output-len", "3", "--warmup", "0", "--json")
+
+
+def test_report_of_an_offline_run(tiny_b2_json, tmp_path):
+    out = tiny_b2_json
     (tmp_path / "tiny-b2.json").write_text(out)
     r = json.loads(out)
     page = bench("report", str(tmp_path)).splitlines()
@@ -151,9 +160,8 @@ def test_report_of_an_offline_run(tiny_dir, tmp_path):
     assert row[8:] == ["-", "- |"]  # no peer
 
 
-def test_report_pairs_an_emulated_run_with_the_devices_own_backend_of_the_same_shape(tiny_dir, tmp_path):
-    out = json.loads(bench("offline", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--batch-size",
-                           "2", "--input-len", "4", "--output-len", "3", "--warmup", "0", "--json"))
+def test_report_pairs_an_emulated_run_with_the_devices_own_backend_of_the_same_shape(tiny_b2_json, tmp_path):
+    out = json.loads(tiny_b2_json)
     emulated = dict(out, backend="acme", emulated=True, decode_tok_per_s=out["decode_tok_per_s"] / 2)
     other_batch = dict(emulated, batch_size=4)  # no run of the device's own backend at batch 4: no row
     for name, r in (("own-b2", out), ("acme-b2", emulated), ("acme-b4", other_batch)):

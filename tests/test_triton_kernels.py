@@ -267,7 +267,9 @@ def test_decode_grid_equals_the_general_grid(num_splits):
     tables, num_blocks = allocate_blocks([c + 1 for c in contexts], block_size, spare=2)
     attn = make_attention(hq, hk, d, block_size, num_splits)
     cache = attn.allocate_kv_cache(num_blocks).fill_(SENTINEL)
-    written = fill_contexts(attn, cache, tables, contexts, scale)
+    # The contexts' prefill without a forced split (the interpreter runs a split prefill's reduction program by
+    # program: 20 s); the decode step below takes the forced split.
+    written = fill_contexts(make_attention(hq, hk, d, block_size), cache, tables, contexts, scale)
     meta = metadata(tables, contexts, [1] * 5, block_size)
     step = attn.prepare(meta)
     assert step.plan.decode and not attn.prepare(metadata(tables, contexts, [1, 1, 2, 1, 1], block_size)).plan.decode
