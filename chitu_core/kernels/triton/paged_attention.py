@@ -67,8 +67,10 @@ def decode_splits(programs: int, num_compute_units: int, max_query_len: int, num
 
 
 @triton.jit
-def _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """The last sequence b whose first query block, query_start_loc[b] // BLOCK_Q + b, is <= pid."""
+def find_query_block(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Program pid's sequence (the last b whose first query block, query_start_loc[b] // BLOCK_Q + b, is <= pid:
+    a binary search), that sequence's first new token and count of new tokens, and the program's first token
+    among them (past the count: a program of the grid's bound with nothing to do)."""
     lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
@@ -77,14 +79,7 @@ def _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
             lo = mid + 1
         else:
             hi = mid
-    return lo - 1
-
-
-@triton.jit
-def find_query_block(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """Program pid's sequence, that sequence's first new token and count of new tokens, and the program's
-    first token among them (past the count: a program of the grid's bound with nothing to do)."""
-    seq = _find_seq(query_start_loc, pid, num_seqs, BLOCK_Q)
+    seq = lo - 1
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
     return seq, q_start, q_len, (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
