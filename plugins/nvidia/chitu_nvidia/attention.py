@@ -33,11 +33,13 @@ class NvidiaTritonAttention(FP8OnAdaAndNewer, TritonPagedAttention):
     float32_dot_precision = "tf32x3"
     # Two pipeline stages in the key loop: on an H100 (scripts/attention_sweep.py, 256-token contexts)
     # decode at batch 64 took 30.6 us against 32.9 with Triton's default, batch 1 8.6 against 9.5;
-    # 8,000-token contexts alike. A split decode fills 3 programs per SM (CHITU_DECODE_FILL sets another):
-    # Qwen3-1.7B's 4 sequences x 8 kv heads split 13 ways instead of 9; at 32,000 tokens the kernel took
-    # 186.5 us against 194.9 (95% of its bytes' floor) and batch 4 decoded 563.8 tok/s against 555.0; at
-    # 8,000 tokens about the same (docs/benchmarks/nvidia-h100-decode-fill.md).
-    tiles = TileConfig(decode_stages=2, decode_fill=int(os.environ.get("CHITU_DECODE_FILL", 3)))
+    # 8,000-token contexts alike. A split decode fills 4 programs per SM (CHITU_DECODE_FILL sets another):
+    # Qwen3-1.7B's 4 sequences x 8 kv heads split 16 ways instead of 13 (fill 3; 9 at fill 2). On an H200
+    # the kernel took 131.6-132.2 us against 139.1-140.4 at 32,000 tokens, 41.8-42.1 against 43.6-46.1 at
+    # 8,000 (three alternating runs each), and batch 4 decoded 753.0 tok/s against 728.0 at 32,000 tokens
+    # (0.816 of the byte floor against 0.781), 1438.5 against 1436.1 at 8,000
+    # (docs/benchmarks/nvidia-h200-decode-fill.md; fill 3 against 2 on an H100: nvidia-h100-decode-fill.md).
+    tiles = TileConfig(decode_stages=2, decode_fill=int(os.environ.get("CHITU_DECODE_FILL", 4)))
     fuses_qk_norm = os.environ.get("CHITU_QK_NORM_FUSION", "1") != "0"  # 0: the separate norms (to compare)
 
 

@@ -3,8 +3,8 @@ the Llama-3.1-8B benches (one GPU and one rank of TP2) and a long context, again
 keys and values a call reads (copy bandwidth measured here). Each layer of a step reads its own cache, so
 the calls rotate through enough caches to exceed the L2 cache; timed as graph replays. A table last.
 
-    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/attention_sweep.py [--out FILE.json] [--splits N ...]
-        [--backend-tiles] [SHAPE ...]
+    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/attention_sweep.py [SHAPE ...] [--out FILE.json]
+        [--splits N ...] [--backend-tiles | --tiles KB:WARPS:STAGES:FILL ...]
 """
 
 import argparse
@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="*", default=[None],
                         help="key ranges to force, each in turn (default: the planner's choice)")
     parser.add_argument("--backend-tiles", action="store_true", help="only the NVIDIA backend's own tiles")
+    parser.add_argument("--tiles", nargs="*", default=[],
+                        help="tile configurations KB:WARPS:STAGES:FILL instead of the list (STAGES 0: Triton's default)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(DEV, torch.cuda.synchronize)
     units = num_compute_units(DEV)
@@ -66,6 +68,9 @@ def main() -> None:
             from chitu_nvidia.attention import NvidiaTritonAttention
 
             tile_set = [NvidiaTritonAttention.tiles]
+        if args.tiles:
+            tile_set = [TileConfig(int(kb) << 10, int(w), decode_stages=int(st) or None, decode_fill=int(f))
+                        for kb, w, st, f in (t.split(":") for t in args.tiles)]
         for tiles, splits in ((t, n) for t in tile_set for n in args.splits):
             step = plan(heads, kv_heads, 1, batch, context, units, splits, tiles=tiles)
             ws = split_workspace(batch, heads, 128, step.num_splits, DEV) if step.num_splits > 1 else None
@@ -84,14 +89,14 @@ def main() -> None:
             same = bool(torch.allclose(got, ref, atol=2e-2, rtol=2e-2))
             floor_us = nbytes / bandwidth * 1e6
             rows.append({"shape": name, "key_tile_kb": tiles.key_tile_bytes >> 10, "warps": tiles.warps,
-                         "stages": tiles.decode_stages, "splits": step.num_splits, "us": round(us, 2),
+                         "stages": tiles.decode_stages, "fill": tiles.decode_fill, "splits": step.num_splits, "us": round(us, 2),
                          "floor_us": round(floor_us, 2), "of_floor": round(floor_us / us, 3), "agrees": same})
             print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}, copy {bandwidth / 1e9:.0f} GB/s")
-    print("| shape | key tile KB | warps | stages | splits | us | floor us | of floor | agrees |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | key tile KB | warps | stages | fill | splits | us | floor us | of floor | agrees |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['key_tile_kb']} | {r['warps']} | {r['stages']} | {r['splits']} | {r['us']} "
+        print(f"| {r['shape']} | {r['key_tile_kb']} | {r['warps']} | {r['stages']} | {r['fill']} | {r['splits']} | {r['us']} "
               f"| {r['floor_us']} | {100 * r['of_floor']:.0f}% | {r['agrees']} |")
     if args.out:
         with open(args.out, "w") as f:
