@@ -184,8 +184,8 @@ def test_triton_plan_splits_only_underfilled_long_decodes(triton_mla):
     assert plan(16, 1, 1, 300, 132).num_splits == 9  # one sequence: ranges of at least 32 keys
     assert plan(16, 1, 2, 300, 132).num_splits == 1  # a batch: ranges of at least 256
     assert plan(16, 1, 2, 1024, 132).num_splits == 4
-    assert plan(16, 1, 32, 8192, 132).num_splits == 9  # 32 programs: 9 ranges reach 264
-    assert plan(16, 1, 64, 8192, 132).num_splits == 5
+    assert plan(16, 1, 32, 8192, 132).num_splits == 8  # 32 programs: 8 ranges stay within 264
+    assert plan(16, 1, 64, 8192, 132).num_splits == 4
     assert plan(16, 1, 64, 4096, 16).num_splits == 1  # a small device is full already
     assert plan(16, 1, 1, 63, 132).num_splits == 1  # short context: fewer than two ranges of 32
     assert plan(16, 7, 1, 8192, 132).num_splits == 1  # not a pure decode step

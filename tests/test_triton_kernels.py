@@ -349,12 +349,13 @@ def test_plan_splits_only_underfilled_long_decodes():
     assert plan(32, 8, 1, 64, 300, 132, tiles=tiles).num_stages == 2
     assert plan(32, 8, 512, 1, 512, 132, tiles=tiles).num_stages is None
     assert plan(32, 8, 1, 64, 300, 132).num_stages is None
-    # A device's decode_fill sets the programs per unit a split aims at (Qwen3-1.7B, 4 sequences of 8,000
-    # tokens: 32 programs, 9 ranges for 2 a unit, 13 for 3, 16 for 4 (17, at most 16)); whether to split at
-    # all stays "fewer than 2".
-    assert plan(16, 8, 1, 4, 8000, 132).num_splits == 9
-    assert plan(16, 8, 1, 4, 8000, 132, tiles=paged_attention.TileConfig(decode_fill=3)).num_splits == 13
+    # A device's decode_fill bounds the programs per unit a split makes (Qwen3-1.7B, 4 sequences of 8,000
+    # tokens: 32 programs, 8 ranges for at most 2 a unit, 12 for 3, 16 for 4; 32 sequences: 2 ranges for 4,
+    # not 3); whether to split at all stays "fewer than 2".
+    assert plan(16, 8, 1, 4, 8000, 132).num_splits == 8
+    assert plan(16, 8, 1, 4, 8000, 132, tiles=paged_attention.TileConfig(decode_fill=3)).num_splits == 12
     assert plan(16, 8, 1, 4, 8000, 132, tiles=paged_attention.TileConfig(decode_fill=4)).num_splits == 16
+    assert plan(16, 8, 1, 32, 8000, 132, tiles=paged_attention.TileConfig(decode_fill=4)).num_splits == 2
     assert plan(32, 8, 1, 33, 8000, 132, tiles=paged_attention.TileConfig(decode_fill=3)).num_splits == 1
 
 

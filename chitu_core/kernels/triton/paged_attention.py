@@ -58,12 +58,15 @@ def decode_splits(programs: int, num_compute_units: int, max_query_len: int, num
                   least: int, least_alone: int, most: int, fill: int = 2) -> int:
     """Key ranges for a step's attention (regular and latent): one, unless it is a pure decode step whose
     ``programs`` would leave the device under-filled (fewer than 2 per compute unit) and whose contexts
-    hold two ranges of ``least`` keys (``least_alone`` for a sequence decoding alone); then enough for
-    ``fill`` programs per compute unit, at most ``most`` and no range shorter than that bound."""
+    hold two ranges of ``least`` keys (``least_alone`` for a sequence decoding alone); then as many as
+    keep the programs at most ``fill`` per compute unit, at most ``most`` and no range shorter than that
+    bound. At most, not at least: one range more can cost more than the rest gain (on an H200, 32
+    sequences of 8,000 tokens at Qwen3-1.7B's heads took 323 us in 3 ranges against 247 in 2;
+    docs/benchmarks/nvidia-h200-decode-fill.md)."""
     keys = least_alone if num_seqs == 1 else least
     if max_query_len != 1 or programs >= 2 * num_compute_units or max_seq_len < 2 * keys:
         return 1
-    return max(1, min(most, -(-fill * num_compute_units // programs), max_seq_len // keys))
+    return max(1, min(most, fill * num_compute_units // programs, max_seq_len // keys))
 
 
 @triton.jit
@@ -215,7 +218,7 @@ class TileConfig:
     warps: int = 4
     wide_warps: int = 8
     decode_stages: int | None = None  # pipeline stages of the key loop in decode-sized plans (None: Triton's default)
-    decode_fill: int = 2  # programs per compute unit a split decode aims at (``decode_splits``' fill)
+    decode_fill: int = 2  # most programs per compute unit a split decode makes (``decode_splits``' fill)
 
 
 DEFAULT_TILES = TileConfig()
@@ -242,7 +245,7 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
     takes more than 512 bytes (head_dim 256 in float32). Split
     the keys only in pure decode steps whose (sequence, kv head) programs would leave the device
     under-filled (fewer than 2 per compute unit) and whose contexts are long (at least two ranges),
-    into enough ranges for ``tiles.decode_fill`` programs per compute unit, at most 16 of at least
+    into as many ranges as keep ``tiles.decode_fill`` programs per compute unit at most, at most 16 of at least
     ``MIN_SPLIT_KEYS`` keys (``MIN_SPLIT_KEYS_ALONE`` for a batch of one). ``num_splits`` forces a count
     (tests, tuning); ``tiles`` is the device's configuration (the defaults: 16 KB key tiles, 4 or 8 warps
     of 32 threads, a fill of 2)."""

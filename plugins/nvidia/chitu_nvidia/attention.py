@@ -33,12 +33,12 @@ class NvidiaTritonAttention(FP8OnAdaAndNewer, TritonPagedAttention):
     float32_dot_precision = "tf32x3"
     # Two pipeline stages in the key loop: on an H100 (scripts/attention_sweep.py, 256-token contexts)
     # decode at batch 64 took 30.6 us against 32.9 with Triton's default, batch 1 8.6 against 9.5;
-    # 8,000-token contexts alike. A split decode fills 4 programs per SM (CHITU_DECODE_FILL sets another):
-    # Qwen3-1.7B's 4 sequences x 8 kv heads split 16 ways instead of 13 (fill 3; 9 at fill 2). On an H200
-    # the kernel took 131.6-132.2 us against 139.1-140.4 at 32,000 tokens, 41.8-42.1 against 43.6-46.1 at
-    # 8,000 (three alternating runs each), and batch 4 decoded 753.0 tok/s against 728.0 at 32,000 tokens
-    # (0.816 of the byte floor against 0.781), 1438.5 against 1436.1 at 8,000
-    # (docs/benchmarks/nvidia-h200-decode-fill.md; fill 3 against 2 on an H100: nvidia-h100-decode-fill.md).
+    # 8,000-token contexts alike. A split decode keeps at most 4 programs per SM (CHITU_DECODE_FILL sets another):
+    # Qwen3-1.7B's 4 sequences x 8 kv heads split 16 ways, not 13 (the earlier rule: at least 3 a unit). On an
+    # H200 the kernel took 130-132 us against 139-140 at 32,000 tokens and 41.5-42.1 against 43.6-46.1 at
+    # 8,000; batch 4 decoded 753.0 tok/s against 728.0 at 32,000 tokens (0.816 of the byte floor against
+    # 0.781), 1438.5 against 1436.1 at 8,000; batch 8 at 8,000 tokens 8 ranges 71.0-71.7 us against 7 at
+    # 73.0-79.2; batches 16 and 32 as before (docs/benchmarks/nvidia-h200-decode-fill.md).
     tiles = TileConfig(decode_stages=2, decode_fill=int(os.environ.get("CHITU_DECODE_FILL", 4)))
     fuses_qk_norm = os.environ.get("CHITU_QK_NORM_FUSION", "1") != "0"  # 0: the separate norms (to compare)
 
