@@ -245,10 +245,10 @@ def plan(num_heads: int, num_kv_heads: int, max_query_len: int, num_seqs: int, m
     takes more than 512 bytes (head_dim 256 in float32). Split
     the keys only in pure decode steps whose (sequence, kv head) programs would leave the device
     under-filled (fewer than 2 per compute unit) and whose contexts are long (at least two ranges),
-    into as many ranges as keep ``tiles.decode_fill`` programs per compute unit at most, at most 16 of at least
-    ``MIN_SPLIT_KEYS`` keys (``MIN_SPLIT_KEYS_ALONE`` for a batch of one). ``num_splits`` forces a count
-    (tests, tuning); ``tiles`` is the device's configuration (the defaults: 16 KB key tiles, 4 or 8 warps
-    of 32 threads, a fill of 2)."""
+    into as many ranges as keep at most ``tiles.decode_fill`` programs per compute unit, at most 16 of
+    at least ``MIN_SPLIT_KEYS`` keys (``MIN_SPLIT_KEYS_ALONE`` for a batch of one). ``num_splits`` forces
+    a count (tests, tuning); ``tiles`` is the device's configuration (the defaults: 16 KB key tiles, 4 or 8
+    warps of 32 threads, a fill of 2)."""
     group_p = pow2(num_heads // num_kv_heads)
     small = max_query_len * group_p <= 16
     row_bytes = pow2(head_dim, at_least=16) * dtype_bytes

@@ -91,7 +91,8 @@ def main() -> None:
             floor_us = nbytes / bandwidth * 1e6
             rows.append({"shape": name, "key_tile_kb": tiles.key_tile_bytes >> 10, "warps": tiles.warps,
                          "stages": tiles.decode_stages, "fill": tiles.decode_fill, "splits": step.num_splits,
-                         "us": round(us, 2), "floor_us": round(floor_us, 2), "of_floor": round(floor_us / us, 3), "agrees": same})
+                         "us": round(us, 2), "floor_us": round(floor_us, 2), "of_floor": round(floor_us / us, 3),
+                         "agrees": same})
             print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}, copy {bandwidth / 1e9:.0f} GB/s")
     print("| shape | key tile KB | warps | stages | fill | splits | us | floor us | of floor | agrees |")
