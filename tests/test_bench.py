@@ -235,3 +235,18 @@ def test_report_names_each_attention_sweep(tmp_path):
         "## Decode attention by tile configuration (`plugins/nvidia/scripts/attention_sweep.py`)"]
     assert [page[i + 6] for i in heads] == [f"| 8b-b1 | 16 | 4 | default | 4 | {us} | 0.25 | 4% | yes |"
                                             for us in ("6.34", "6.63", "7.00")]
+
+
+def test_report_includes_each_profiled_step_verbatim(tmp_path):
+    """``profile_step*.txt`` files (profile_step.py --out) each under a heading naming the file, as written."""
+    texts = {"profile_step-b.txt": "/m batch 4: wall 2.763 ms/step\n   1085.3     28    38.76  _attention_kernel\n",
+             "profile_step-a.txt": "/m batch 4: wall 2.807 ms/step\n"}
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    page = bench("report", str(tmp_path)).splitlines()
+    heads = [i for i, line in enumerate(page) if line.startswith("## A profiled decode step")]
+    assert [page[i] for i in heads] == [
+        "## A profiled decode step (`plugins/nvidia/scripts/profile_step.py`, `profile_step-a.txt`)",
+        "## A profiled decode step (`plugins/nvidia/scripts/profile_step.py`, `profile_step-b.txt`)"]
+    assert page[heads[1] + 2:heads[1] + 6] == ["```", "/m batch 4: wall 2.763 ms/step",
+                                               "   1085.3     28    38.76  _attention_kernel", "```"]

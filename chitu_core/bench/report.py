@@ -6,8 +6,9 @@ from ``bench serve --json`` (with ``--server-pid``, the server's peak memory und
 ``conformance.md`` (and ``conformance-<name>.md``, other backends' or parts') from ``python -m
 chitu_core.conformance --format md``, included as they are, ``emulation.json`` (emulation_check.py), and
 ``MADE_BY``, one line naming the script that made them (default: the GPU scripts), and ``agree.txt``
-from ``bench agree`` (``agree-unpacked.txt`` from ``bench agree --unpacked``), included verbatim, and
-``breakdown-*.json`` from ``bench profile --json`` (a decode step by module). Every
+from ``bench agree`` (``agree-unpacked.txt`` from ``bench agree --unpacked``) and ``profile_step*.txt`` from
+``plugins/nvidia/scripts/profile_step.py --out`` (graph-replayed steps: kernels, busy time, idle gaps),
+included verbatim, and ``breakdown-*.json`` from ``bench profile --json`` (a decode step by module). Every
 number on the page comes from those files; docs commit the page and the files together.
 """
 
@@ -261,6 +262,9 @@ def render(directory: Path) -> str:
     for name, r in loaded.items():
         if "speed" in r and "nmse" in r:
             lines += ["## Quantized against 16-bit (in situ, same random weights)", "", *quant_check_lines(name, r), ""]
+    for step in sorted(directory.glob("profile_step*.txt")):
+        lines += [f"## A profiled decode step (`plugins/nvidia/scripts/profile_step.py`, `{step.name}`)", "", "```",
+                  *step.read_text().rstrip().splitlines(), "```", ""]
     for agree in sorted(directory.glob("agree*.txt"), key=lambda f: (f.name != "agree.txt", f.name)):  # then --unpacked
         flag = " --unpacked" if agree.stem.endswith("unpacked") else ""
         lines += [f"## Greedy agreement with llama.cpp (`python -m chitu_core.bench agree{flag}`)", "", "```",
