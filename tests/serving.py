@@ -2,6 +2,7 @@
 engine to serve, for tests."""
 
 import asyncio
+import random
 import socket
 import threading
 import time
@@ -59,10 +60,35 @@ class LiveServer:
 
 
 def free_port() -> int:
-    """A port nothing listens on now, for a server started in a subprocess."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for a server started in a subprocess: below the system's ephemeral range
+    and not handed out before in this process. A port the OS picked (bind to 0) returns to that range once
+    the probe closes, and a socket another process opens meanwhile (gloo's, a client's) could be given it
+    before the server binds it: a two-rank serve test once failed so ("address already in use")."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 16384), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port below {low} after 1000 tries")
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the range the OS picks ephemeral ports from (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_healthy(port: int, procs, timeout: float = 120) -> None:
