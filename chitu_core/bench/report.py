@@ -263,16 +263,19 @@ def render(directory: Path) -> str:
         if "speed" in r and "nmse" in r:
             lines += ["## Quantized against 16-bit (in situ, same random weights)", "", *quant_check_lines(name, r), ""]
     for step in sorted(directory.glob("profile_step*.txt")):
-        lines += [f"## A profiled decode step (`plugins/nvidia/scripts/profile_step.py`, `{step.name}`)", "", "```",
-                  *step.read_text().rstrip().splitlines(), "```", ""]
+        lines += _verbatim(f"## A profiled decode step (`plugins/nvidia/scripts/profile_step.py`, `{step.name}`)", step)
     for agree in sorted(directory.glob("agree*.txt"), key=lambda f: (f.name != "agree.txt", f.name)):  # then --unpacked
         flag = " --unpacked" if agree.stem.endswith("unpacked") else ""
-        lines += [f"## Greedy agreement with llama.cpp (`python -m chitu_core.bench agree{flag}`)", "", "```",
-                  *agree.read_text().rstrip().splitlines(), "```", ""]
+        lines += _verbatim(f"## Greedy agreement with llama.cpp (`python -m chitu_core.bench agree{flag}`)", agree)
     for conformance in sorted(directory.glob("conformance*.md"), key=lambda f: (f.name != "conformance.md", f.name)):
         body = conformance.read_text().strip().splitlines()
         lines += [*("#" + line if line.startswith("#") else line for line in body), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _verbatim(heading: str, path: Path) -> list[str]:
+    """A section of the page: ``heading``, then the file's text as it is, in a code block."""
+    return [heading, "", "```", *path.read_text().rstrip().splitlines(), "```", ""]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -48,8 +48,9 @@ def main() -> None:
     parser.add_argument("shapes", nargs="*", help="names from SHAPES (default: all)")
     parser.add_argument("--splits", type=int, nargs="*", default=[None],
                         help="key ranges to force, each in turn (default: the planner's choice)")
-    parser.add_argument("--backend-tiles", action="store_true", help="only the NVIDIA backend's own tiles")
-    parser.add_argument("--tiles", nargs="*", default=[],
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--backend-tiles", action="store_true", help="only the NVIDIA backend's own tiles")
+    which.add_argument("--tiles", nargs="*", default=[],
                         help="tile configurations KB:WARPS:STAGES:FILL instead of the list (STAGES 0: Triton's default)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(DEV, torch.cuda.synchronize)
