@@ -237,6 +237,20 @@ def test_report_names_each_attention_sweep(tmp_path):
                                             for us in ("6.34", "6.63", "7.00")]
 
 
+def test_report_includes_each_kernel_sweep(tmp_path):
+    """``*_sweep*.txt`` (a sweep script's output): its device line and markdown table under a heading naming the
+    script and the file, the progress lines left out; a sweep without a table, its text in a code block."""
+    (tmp_path / "dense_gemv_sweep-rows.txt").write_text(
+        "device NVIDIA H200, 132 units\n[('qkv', 'cuBLAS')]\n| shape | kernel |\n|---|---|\n| qkv | cuBLAS |\n")
+    (tmp_path / "quant_sweep-int4.txt").write_text("device NVIDIA H200\nint4 qkv M=16: default 18.4 us\n")
+    page = bench("report", str(tmp_path)).splitlines()
+    at = page.index("## Kernel sweep (`plugins/nvidia/scripts/dense_gemv_sweep.py`, `dense_gemv_sweep-rows.txt`)")
+    assert page[at + 1:at + 7] == ["", "device NVIDIA H200, 132 units", "", "| shape | kernel |", "|---|---|",
+                                   "| qkv | cuBLAS |"]
+    at = page.index("## Kernel sweep (`plugins/nvidia/scripts/quant_sweep.py`, `quant_sweep-int4.txt`)")
+    assert page[at + 1:at + 6] == ["", "```", "device NVIDIA H200", "int4 qkv M=16: default 18.4 us", "```"]
+
+
 def test_report_includes_each_profiled_step_verbatim(tmp_path):
     """``profile_step*.txt`` files (profile_step.py --out) each under a heading naming the file, as written."""
     texts = {"profile_step-b.txt": "/m batch 4: wall 2.763 ms/step\n   1085.3     28    38.76  _attention_kernel\n",

@@ -5,7 +5,8 @@ DIR holds what the runs wrote (``plugins/nvidia/scripts/gpu_bench.sh`` writes th
 from ``bench serve --json`` (with ``--server-pid``, the server's peak memory under the table), ``gpu_check.json`` (model against transformers, decode profile), and
 ``conformance.md`` (and ``conformance-<name>.md``, other backends' or parts') from ``python -m
 chitu_core.conformance --format md``, included as they are, ``emulation.json`` (emulation_check.py), and
-``MADE_BY``, one line naming the script that made them (default: the GPU scripts), and ``agree.txt``
+``MADE_BY``, one line naming the script that made them (default: the GPU scripts), kernel sweeps'
+outputs (``*_sweep*.txt``: their tables), and ``agree.txt``
 from ``bench agree`` (``agree-unpacked.txt`` from ``bench agree --unpacked``) and ``profile_step*.txt`` from
 ``plugins/nvidia/scripts/profile_step.py --out`` (graph-replayed steps: kernels, busy time, idle gaps),
 included verbatim, and ``breakdown-*.json`` from ``bench profile --json`` (a decode step by module). Every
@@ -262,6 +263,8 @@ def render(directory: Path) -> str:
     for name, r in loaded.items():
         if "speed" in r and "nmse" in r:
             lines += ["## Quantized against 16-bit (in situ, same random weights)", "", *quant_check_lines(name, r), ""]
+    for sweep in sorted(directory.glob("*_sweep*.txt")):
+        lines += _sweep(sweep)
     for step in sorted(directory.glob("profile_step*.txt")):
         lines += _verbatim(f"## A profiled decode step (`plugins/nvidia/scripts/profile_step.py`, `{step.name}`)", step)
     for agree in sorted(directory.glob("agree*.txt"), key=lambda f: (f.name != "agree.txt", f.name)):  # then --unpacked
@@ -271,6 +274,20 @@ def render(directory: Path) -> str:
         body = conformance.read_text().strip().splitlines()
         lines += [*("#" + line if line.startswith("#") else line for line in body), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _sweep(path: Path) -> list[str]:
+    """A kernel sweep's output (``plugins/nvidia/scripts/<name>.py``, saved as ``<name>[-tag].txt``) under a
+    heading naming the script and the file: its device line and its markdown table as they are; a sweep
+    without a table (``quant_sweep.py``'s lines), its text in a code block."""
+    script = path.stem.split("-")[0]
+    heading = f"## Kernel sweep (`plugins/nvidia/scripts/{script}.py`, `{path.name}`)"
+    text = path.read_text().rstrip().splitlines()
+    table = [line for line in text if line.startswith("|")]
+    if not table:
+        return _verbatim(heading, path)
+    device = [text[0]] if text and text[0].startswith("device ") else []
+    return [heading, "", *device, *([""] if device else []), *table, ""]
 
 
 def _verbatim(heading: str, path: Path) -> list[str]:

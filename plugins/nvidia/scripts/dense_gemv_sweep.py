@@ -62,7 +62,7 @@ def configs(n, k, transposed, units):
                                                            (2, 4, 8), (4, 8)):
             split = max(1, min(triton.cdiv(k, bk) // 2, triton.cdiv(per_unit * units, triton.cdiv(n, bn))))
             out.append(DenseGemvConfig(bn, bk, split, warps))
-        return out
+        return sorted(set(out), key=str)
     out = []  # narrow, deep tiles without a split (the default's family), and the split-K ones it replaced
     for bn, bk, warps in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8)):
         if bn * bk <= 32768:
