@@ -24,6 +24,9 @@ One module per kernel family, each a launcher that matches its contract op exact
   fused_gemv.py       the decode-step fusions (contract 1.9): dense_gemv with the RMSNorm in its prologue and
                       the gated activation or the residual add in its epilogue (the NVIDIA backend's
                       rms_norm_linear and linear_add at batch 1)
+  splitk_gemv.py      a few rows times a large 16-bit weight: wide tiles, pipelined tensor-core steps, K split
+                      and finished in order, with the same fusions (the NVIDIA backend's batch-1 products of
+                      weights of 20M+ elements and K of 4096+)
   quant_matmul.py     the matmul behind fp8_linear.py and int8_linear.py (8-bit weights, per-channel or
                       block scales, 16-bit or dynamically quantized 8-bit activations: act_quant.py)
   gguf_linear.py      gguf_linear over GGUF's own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)

@@ -1,10 +1,13 @@
 """The NVIDIA backend's ops over the portable Triton ones (``TritonBackend.native_ops``).
 
-linear goes to cuBLAS, or to cuBLASLt for the batch sizes where its kernels are faster, or at batch 1
-with an output of up to ``MAX_GEMV_N`` to the Triton matrix-vector kernel. The decode-step fusions
-(contract 1.9: ``rms_norm_linear``, ``linear_add``) take the fused matrix-vector kernel at batch 1 for
-weights of up to ``MAX_FUSED_N`` outputs, and up to ``fused_gemv.MAX_ROWS`` rows for small weights
-(``MAX_FUSED_ROWS_WEIGHT``); else the unfused ops. ``mla_inputs`` (contract 1.10) is the portable Triton
+One row of 16-bit x times a large weight (``splitk_takes``) goes to the split-K matrix-vector kernel
+(``splitk_gemv``): plain, with the norm of ``rms_norm_linear`` (contract 1.9) in its prologue, or with the add
+of ``linear_add`` in its epilogue; a gated ``rms_norm_linear`` of such a weight runs the norm, the kernel and
+the activation. Otherwise linear goes to cuBLAS, or to cuBLASLt for the batch sizes where its kernels are
+faster, or at batch 1 with an output of up to ``MAX_GEMV_N`` to the Triton matrix-vector kernel; the fusions
+take the fused matrix-vector kernel at batch 1 for weights of up to ``MAX_FUSED_N`` outputs, and up to
+``fused_gemv.MAX_ROWS`` rows for small weights (``MAX_FUSED_ROWS_WEIGHT``); else the unfused ops.
+``mla_inputs`` (contract 1.10) is the portable Triton
 kernel, served here rather than by every Triton backend: its per-head matrix-vector products suit decode
 steps (``fusion_max_tokens``), not a prefill's thousands of tokens. One row of 16-bit x through
 ``int4_linear``, or through ``fp8_linear`` with unquantized activations, takes this plugin's
@@ -43,6 +46,18 @@ MAX_FUSED_ROWS_WEIGHT = int(os.environ.get("CHITU_FUSED_ROWS_MAX_WEIGHT", 1 << 2
 """Largest weight (elements) the fused kernel takes for 2 to 8 rows. Its tensor-core product beat the
 unfused ops on SmolLM2-135M's shapes at 4 rows (qkv 5.7 -> 3.8 us, o_proj 5.2 -> 3.2 us) but lost from
 Qwen3-1.7B's up (o_proj 7.8 -> 8.1 us at best, down 16.2 -> 21.9 us)."""
+SPLITK_MIN_WEIGHT = int(os.environ.get("CHITU_SPLITK_MIN_WEIGHT", 20_000_000))
+"""Smallest 16-bit weight (elements) whose one-row products take ``splitk_gemv``, if its K is at least
+``SPLITK_MIN_K`` and its N at most ``SPLITK_MAX_N``; CHITU_SPLITK_MIN_WEIGHT=0 turns the kernel off (to
+compare). On an H200 (docs/benchmarks/nvidia-h200-splitk-gemv.md) it takes Llama-3.1-8B's qkv, gate/up and
+down (batch-1 decode 221.0 -> 240.6 tok/s, 0.792 -> 0.864 of the byte floor); o_proj (16.8M elements) stays on
+the fused matrix-vector kernel, faster there. Qwen3-1.7B's gate/up (25.2M elements, K 2048), taken in a trial,
+cost its batch-1 decode 1% (650.5 -> 643.7 tok/s), hence ``SPLITK_MIN_K``."""
+SPLITK_MIN_K = 4096
+"""Shallowest weight (features) ``splitk_gemv`` takes at one row: each slice of K must stream long enough to
+pay for the split's finish."""
+SPLITK_MAX_N = 32768
+"""Widest weight ``splitk_gemv`` takes: a vocabulary head stays on cuBLAS."""
 PAIRS_GEMV = os.environ.get("CHITU_PAIRS_GEMV", "1") != "0"
 """One row of 16-bit x through int4_linear, and through fp8_linear without activation quantization, takes
 ``int4_gemv`` / ``fp8_gemv`` (products in fp16 pairs, PTX); CHITU_PAIRS_GEMV=0 leaves them to the portable
@@ -58,13 +73,25 @@ def has_fp8_types() -> bool:
 
 
 _dense_gemv: Callable | None = None  # bound by nvidia_ops(), which runs only where triton is installed
+_splitk_gemv: Callable | None = None
 _fused_gemv: Callable | None = None
 _MAX_ROWS = 0
 _unfused: dict[str, Callable] = {}  # the Triton rms_norm and gated activations, for the shapes the kernel leaves
 _pairs: dict[str, Callable] = {}  # the fp16-pair kernels, the portable int4/fp8 linears they stand before, their checks
 
 
+def splitk_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``splitk_gemv`` takes x times weight [N, K]: one row, 16-bit x and weight of one dtype, at least
+    ``SPLITK_MIN_WEIGHT`` elements, K at least ``SPLITK_MIN_K``, N at most ``SPLITK_MAX_N``."""
+    n, k = weight.shape
+    return (_splitk_gemv is not None and SPLITK_MIN_WEIGHT > 0 and x.numel() == k and x.dtype == weight.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16) and weight.numel() >= SPLITK_MIN_WEIGHT
+            and k >= SPLITK_MIN_K and n <= SPLITK_MAX_N)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if splitk_takes(x, weight):
+        return _splitk_gemv(x, weight, bias)
     rows = x.numel() // max(1, x.shape[-1])
     if rows == 1 and weight.shape[0] <= MAX_GEMV_N and x.dtype == weight.dtype and _dense_gemv is not None:
         return _dense_gemv(x, weight, bias)  # batch 1: every projection but the widest and the LM head
@@ -119,7 +146,9 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weig
                     bias: torch.Tensor | None, activation: str | None = None) -> torch.Tensor:
     if activation not in (None, "silu", "gelu", "gelu_tanh"):
         raise ValueError(f"rms_norm_linear: activation {activation!r} is not 'silu', 'gelu', 'gelu_tanh' or None")
-    if _fused_rows(x, weight):
+    if activation is None and splitk_takes(x, weight):  # gated: the norm, then linear's kernel, then the activation
+        return _splitk_gemv(x, weight, bias, norm_weight, eps)
+    if _fused_rows(x, weight) and not splitk_takes(x, weight):
         return _fused_gemv(x, weight, bias, norm_weight, eps, activation)
     y = linear(_unfused["rms_norm"](x, norm_weight, eps), weight, bias)
     if activation is None:
@@ -131,6 +160,8 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weig
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                residual: torch.Tensor) -> torch.Tensor:
+    if splitk_takes(x, weight):
+        return _splitk_gemv(x, weight, bias, residual=residual)
     if _fused_rows(x, weight):
         return _fused_gemv(x, weight, bias, residual=residual)
     return residual + linear(x, weight, bias)
@@ -138,7 +169,7 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def nvidia_ops() -> dict[str, Callable]:
     """Called only where triton is installed (``TritonBackend.native_ops``)."""
-    global _dense_gemv, _fused_gemv, _MAX_ROWS
+    global _dense_gemv, _fused_gemv, _MAX_ROWS, _splitk_gemv
     from chitu_core.kernels.triton import fp8_linear as portable_fp8
     from chitu_core.kernels.triton import int4_linear as portable_int4
     from chitu_core.kernels.triton import pdl
@@ -147,10 +178,12 @@ def nvidia_ops() -> dict[str, Callable]:
     from chitu_core.kernels.triton.fused_gemv import MAX_ROWS, fused_gemv
     from chitu_core.kernels.triton.mla_inputs import mla_inputs
     from chitu_core.kernels.triton.rms_norm import rms_norm
+    from chitu_core.kernels.triton.splitk_gemv import splitk_gemv
     from chitu_nvidia.fp8_gemv import fits, fp8_gemv
     from chitu_nvidia.int4_gemv import int4_gemv
 
     _dense_gemv = dense_gemv
+    _splitk_gemv = splitk_gemv
     _pairs.update(int4_gemv=int4_gemv, int4_linear=portable_int4.int4_linear, int4_check=portable_int4.check_operands,
                   fp8_gemv=fp8_gemv, fp8_fits=fits, fp8_linear=portable_fp8.fp8_linear,
                   fp8_check=portable_fp8.check_operands)
