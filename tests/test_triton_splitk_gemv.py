@@ -8,6 +8,7 @@ bfloat16 ``tl.dot`` operands as raw 16-bit integers (test_triton_kernels); bfloa
 import pytest
 import torch
 
+from test_triton_fused_gemv import _nmse
 from test_triton_kernels import interpreter  # skips this module where that one is skipped
 
 from chitu_core.ops import reference
@@ -22,10 +23,6 @@ F16 = torch.float16
 def _interpret():
     with interpreter():
         yield
-
-
-def _nmse(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).square().sum() / want.square().sum()).item()
 
 
 def _operands(rows, n, k, transposed, seed):
@@ -147,3 +144,12 @@ def test_the_nvidia_ops_route_one_row_of_a_large_16_bit_weight_to_the_kernel(mon
     monkeypatch.setattr(ops, "SPLITK_MIN_WEIGHT", 0)  # CHITU_SPLITK_MIN_WEIGHT=0: off
     ops.linear(x, weight)
     assert calls == []
+
+
+def test_k_splits_at_most_max_split():
+    from chitu_core.kernels.triton.splitk_gemv import MAX_SPLIT
+
+    assert splitk_gemv_config(256, 65536, False, 132).split_k == MAX_SPLIT  # one tile, a deep K
+    x, weight, _, _ = _operands(1, 16, 64 * 40, True, 9)
+    got = splitk_gemv(x, weight, config=SplitKGemvConfig(16, 64, 40, 2))  # asked for 40 slices: 14 of 3 steps
+    assert _nmse(got, x.double() @ weight.double().t()) < TOL

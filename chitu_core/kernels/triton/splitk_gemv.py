@@ -38,6 +38,9 @@ from chitu_core.kernels.triton.split_k import check_split_tiles, k_mask, split_c
 
 MAX_ROWS = 16
 """Most rows the kernel takes (one tensor-core step's 16); more go to a GEMM."""
+MAX_SPLIT = 16
+"""Most slices of K: the last slice loads every slice's sums of a few rows at once (16 x 256 columns: 32
+float32 registers a thread)."""
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,11 @@ def splitk_gemv_config(n: int, k: int, gated: bool, units: int) -> SplitKGemvCon
     """256 columns a program (128 of each half where gated; 128 below 2048 outputs), 64 features a step, 4
     steps in flight, and K split into as many slices as keep the programs at most one a compute unit (a
     kernel launched dependent shares the units with the one before it: a second wave would start late),
-    each slice at least two steps deep."""
+    each slice at least two steps deep, at most ``MAX_SPLIT``."""
     block_n = (128 if gated or n < 2048 else 256)
     block_k = 64
     tiles = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(k, 2 * block_k), units // tiles))
+    split = max(1, min(triton.cdiv(k, 2 * block_k), units // tiles, MAX_SPLIT))
     return SplitKGemvConfig(block_n, block_k, split)
 
 
@@ -171,7 +174,7 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x2 = x.reshape(rows, k)
     cfg = config or splitk_gemv_config(n_out, k, activation is not None, num_compute_units(x.device))
     steps = triton.cdiv(k, cfg.block_k)
-    k_per_split = triton.cdiv(steps, max(1, min(cfg.split_k, steps))) * cfg.block_k
+    k_per_split = triton.cdiv(steps, max(1, min(cfg.split_k, steps, MAX_SPLIT))) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n_out, cfg.block_n)
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
