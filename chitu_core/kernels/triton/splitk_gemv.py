@@ -189,8 +189,8 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     b = bias if bias is not None else out
     use_pdl = pdl_launch(x.device) if pdl is None else pdl
     split_p = triton.next_power_of_2(split)
-    gated = 2 if activation is not None else 1
-    finish_rows = min(16, max(1, 4096 // (split_p * cfg.block_n * gated)))
+    halves = 2 if activation is not None else 1
+    finish_rows = min(16, max(1, 4096 // (split_p * cfg.block_n * halves)))
     _splitk_gemv_kernel[(tiles, split)](
         out, partials, squares, split_counters(x.device), x2, weight, b,
         norm_weight if norm_weight is not None else x2, r2, rows, n_out, k, k_per_split, split, eps,

@@ -146,9 +146,10 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weig
                     bias: torch.Tensor | None, activation: str | None = None) -> torch.Tensor:
     if activation not in (None, "silu", "gelu", "gelu_tanh"):
         raise ValueError(f"rms_norm_linear: activation {activation!r} is not 'silu', 'gelu', 'gelu_tanh' or None")
-    if activation is None and splitk_takes(x, weight):  # gated: the norm, then linear's kernel, then the activation
+    splitk = splitk_takes(x, weight)
+    if splitk and activation is None:  # gated: the norm, then linear's split-K kernel, then the activation
         return _splitk_gemv(x, weight, bias, norm_weight, eps)
-    if _fused_rows(x, weight) and not splitk_takes(x, weight):
+    if _fused_rows(x, weight) and not splitk:
         return _fused_gemv(x, weight, bias, norm_weight, eps, activation)
     y = linear(_unfused["rms_norm"](x, norm_weight, eps), weight, bias)
     if activation is None:
