@@ -318,7 +318,8 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 @section
 def model_vs_transformers():
     """Ours (bf16) against transformers on the same weights, in bf16 and in float32:
-    last-token logits NMSE; greedy 32 tokens free-running, equal up to the first divergence, which
+    last-token logits NMSE of a batched prefill, and of each prompt's batch-1 decode steps (each prompt
+    generated alone, the one-row kernels'); greedy 32 tokens free-running, equal up to the first divergence, which
     must fall on a near-tie of transformers' logits there (top-2 gap under one bf16 ulp of the top
     logit); teacher-forced on our tokens, the steps where ours is not transformers' argmax, and
     of those, the ones whose margin is over that ulp."""
@@ -336,9 +337,21 @@ def model_vs_transformers():
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 33, 100, 128)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    model.compute_logits = compute_logits
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     first = captured[0].clone()  # the step that prefilled every prompt: one row each, in order
+    outs, decode = [], []  # then each prompt alone: its batch-1 decode steps' logits (the one-row kernels')
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:  # replayed steps' logits: the graph's output rows, copied before the next replay
+        replay = graphs.run
+        graphs.run = lambda seqs, size, *a, **k: captured.append(replay(seqs, size, *a, **k)[:len(seqs)].clone()) \
+            or captured[-1]
+    for p in prompts:
+        captured.clear()
+        outs.append(llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids)
+        decode.append(torch.cat(captured[1:]).float())  # steps 2..32: logits of tokens 1..31 in
+    model.compute_logits = compute_logits
+    if graphs is not None:
+        del graphs.run
     RESULTS["model"] = dict(load_s=MODEL["load_s"], graphs=llm.engine.runner.graphs is not None,
                             native=[n for n, s in llm.engine.ops.sources.items() if s.kind == "native"],
                             fallback=llm.engine.ops.fallbacks())
@@ -375,9 +388,10 @@ def model_vs_transformers():
                     if div < len(same):  # transformers' own top-2 gap at the divergence
                         gap = float(top2[div, 0] - top2[div, 1])
                         row.update(divergence_gap=gap, divergence_gap_ulps=gap / float(tol[div]))
-                    hf_bf16_first.append(forced[0])
+                    hf_bf16_first.append(forced)
                 else:
-                    row.update(ours_fp32_nmse=nmse(first32[i], forced[0]), hf_bf16_nmse=nmse(hf_bf16_first[i], forced[0]))
+                    row.update(ours_fp32_nmse=nmse(first32[i], forced[0]), hf_bf16_nmse=nmse(hf_bf16_first[i][0], forced[0]),
+                               decode_nmse=nmse(decode[i], forced[1:]), hf_bf16_decode_nmse=nmse(hf_bf16_first[i][1:], forced[1:]))
                 rows.append(row)
                 log("model:", row)
         cast(hf, torch.bfloat16)
@@ -453,7 +467,8 @@ def table() -> str:
                        f"({fmt(m['worst_margin_ulps'])} ulps)" + (f", equal {m['equal_prefix']}/32" if "equal_prefix" in m else "")
                        + (f", gap {fmt(m['divergence_gap'])} ({fmt(m['divergence_gap_ulps'])} ulps)" if "divergence_gap" in m else "")
                        + (f"; ours in float32 NMSE {fmt(m['ours_fp32_nmse'])}, transformers bf16 NMSE {fmt(m['hf_bf16_nmse'])}"
-                          if "ours_fp32_nmse" in m else ""))
+                          f"; batch-1 decode steps 2-32 NMSE {fmt(m['decode_nmse'])}, transformers bf16 "
+                          f"{fmt(m['hf_bf16_decode_nmse'])}" if "ours_fp32_nmse" in m else ""))
     for b in (1, 64):
         p = r.get(f"profile_b{b}")
         if p:
