@@ -12,7 +12,7 @@ import warnings
 from chitu_core.errors import PluginError
 
 __version__ = "0.1.0"
-CONTRACT_VERSION = "1.17"
+CONTRACT_VERSION = "1.18"
 
 
 class ContractWarning(UserWarning):

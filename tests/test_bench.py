@@ -251,6 +251,14 @@ def test_report_includes_each_kernel_sweep(tmp_path):
     assert page[at + 1:at + 6] == ["", "```", "device NVIDIA H200", "int4 qkv M=16: default 18.4 us", "```"]
 
 
+def test_report_includes_each_check_table(tmp_path):
+    """``*_check*.txt`` (a check script's output): its device line, wherever it is, and its table."""
+    (tmp_path / "fusions_check.txt").write_text("{'prompt': 0}\ndevice: NVIDIA H200; int4\n| prompt |\n|---|\n| 0 |\n")
+    page = bench("report", str(tmp_path)).splitlines()
+    at = page.index("## Check (`plugins/nvidia/scripts/fusions_check.py`, `fusions_check.txt`)")
+    assert page[at + 1:at + 7] == ["", "device: NVIDIA H200; int4", "", "| prompt |", "|---|", "| 0 |"]
+
+
 def test_report_includes_each_profiled_step_verbatim(tmp_path):
     """``profile_step*.txt`` files (profile_step.py --out) each under a heading naming the file, as written."""
     texts = {"profile_step-b.txt": "/m batch 4: wall 2.763 ms/step\n   1085.3     28    38.76  _attention_kernel\n",

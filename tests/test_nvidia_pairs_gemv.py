@@ -10,7 +10,7 @@ import torch
 
 from test_triton_kernels import interpreter  # skips this module where that one is skipped
 
-from chitu_core.ops import quant_reference
+from chitu_core.ops import quant_reference, reference
 
 with interpreter():
     from chitu_core.kernels.triton.gemv import GemvConfig
@@ -64,6 +64,51 @@ def test_int4_pairs_match_the_reference(k, n, group, config, dtype, bias):
     assert got.dtype == dtype and got.shape == (1, n)
     assert nmse(got, want) < BOUND[dtype]
     assert split_counters(x.device).count_nonzero() == 0
+
+
+FUSED_CASES = [  # k, n (the whole weight's), group, config (None: the default), dtype, fusion, bias
+    (512, 96, 128, GemvConfig(32, 32, 4, 1), torch.float16, "norm", False),   # split-K, N ragged at the block
+    (1024, 64, 32, None, torch.bfloat16, "norm", True),                        # the default tiles, groups of 32
+    (768, 80, 128, GemvConfig(16, 64, 5, 2), torch.float16, "silu", True),     # gated: 40 of each half, uneven slices
+    (256, 64, 128, GemvConfig(32, 32, 1, 1), torch.bfloat16, "gelu_tanh", False),  # gated, no split
+    (512, 1024, 64, None, torch.float16, "gelu", False),                      # gated, the default (halved) tiles
+    (640, 72, 128, GemvConfig(32, 64, 3, 1), torch.bfloat16, "add", True),    # residual, ragged, split
+    (256, 48, 8, None, torch.float16, "add", False),                          # residual, groups of 8
+    (512, 64, 128, GemvConfig(64, 64, 1, 2), torch.float16, "add", False),    # residual, no split
+]
+
+
+@pytest.mark.parametrize("k,n,group,config,dtype,fusion,bias", FUSED_CASES,
+                         ids=[f"K{c[0]}-N{c[1]}-g{c[2]}-{c[3]}-{c[4]}-{c[5]}-bias{c[6]}" for c in FUSED_CASES])
+def test_int4_pairs_fusions_match_the_reference(k, n, group, config, dtype, fusion, bias):
+    """The norm in the prologue (and the gated activation of a merged gate/up weight), or the residual in
+    the epilogue (contract 1.18), against the composed float64 reference, the counters left zeroed."""
+    x, qweight, scales, zeros = int4_operands(k, n, group, dtype, seed=5)
+    x = x * 3
+    b = torch.randn(n).to(dtype) if bias else None
+    b64 = None if b is None else b.double()
+    if fusion == "add":
+        res = torch.randn(1, n).to(dtype)
+        got = int4.int4_gemv(x, qweight, scales, zeros, group, b, config, residual=res)
+        want = reference.int4_linear_add(x.double(), qweight, scales, zeros, group, b64, res.double())
+    else:
+        nw = (1 + 0.3 * torch.randn(k, generator=torch.Generator().manual_seed(6))).to(dtype)
+        act = None if fusion == "norm" else fusion
+        got = int4.int4_gemv(x, qweight, scales, zeros, group, b, config, norm_weight=nw, eps=1e-6, activation=act)
+        want = reference.int4_rms_norm_linear(x.double(), nw.double(), 1e-6, qweight, scales, zeros, group, b64, act)
+    assert got.dtype == dtype and got.shape == want.shape
+    # Beside the output's rounding: the normed x's into the fp16 pairs (x alone is exact there); and Triton's
+    # interpreter rounds float32 to bfloat16 toward zero (the GPU: to nearest), up to 2^-8 an output.
+    assert nmse(got, want) < {torch.float16: 1e-6, torch.bfloat16: 5e-5}[dtype]
+    assert split_counters(x.device).count_nonzero() == 0
+
+
+def test_int4_pairs_fusions_refuse_a_gated_activation_without_a_norm_or_an_odd_width():
+    x, qweight, scales, zeros = int4_operands(256, 72, 128, torch.float16)
+    with pytest.raises(ValueError, match="activation 'silu'"):
+        int4.int4_gemv(x, qweight, scales, zeros, 128, None, activation="silu")
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        int4.int4_gemv(x, qweight, scales, zeros, 128, None, norm_weight=torch.ones(256).half(), activation="relu")
 
 
 def test_int4_pairs_read_strided_x_and_large_values():
@@ -145,3 +190,29 @@ def test_the_nvidia_ops_send_one_row_of_16_bit_x_to_the_pair_kernels(monkeypatch
     ops.int4_linear(x, qweight, scales, zeros, 128, None)
     ops.fp8_linear(xf, weight, s8, (128, 128), False, None)
     assert calls == ["int4", "fp8"]
+
+
+def test_the_nvidia_int4_fusions_take_the_pair_kernel_for_one_row(monkeypatch):
+    """Contract 1.18's ops (served with CHITU_INT4_FUSIONS=1): one row of 16-bit x on ``int4_gemv`` with the norm
+    (and the gated activation) or the residual; other calls composed of the unfused ops, with the same result; bad shapes refused."""
+    assert not {"int4_rms_norm_linear", "int4_linear_add"} & set(ops.nvidia_ops())  # by default the layers' unfused path
+    monkeypatch.setattr(ops, "INT4_FUSIONS", True)  # CHITU_INT4_FUSIONS=1
+    assert {"int4_rms_norm_linear", "int4_linear_add"} <= set(ops.nvidia_ops())
+    calls = []
+    kernel = ops._pairs["int4_gemv"]
+    monkeypatch.setitem(ops._pairs, "int4_gemv", lambda *a, **k: calls.append(sorted(k)) or kernel(*a, **k))
+    x, qweight, scales, zeros = int4_operands(256, 64, 128, torch.float16)
+    nw, res = (1 + 0.1 * torch.randn(256)).half(), torch.randn(1, 64).half()
+    want = reference.int4_rms_norm_linear(x.double(), nw.double(), 1e-6, qweight, scales, zeros, 128, None, "silu")
+    gated = ops.int4_rms_norm_linear(x, nw, 1e-6, qweight, scales, zeros, 128, None, "silu")
+    assert gated.shape == (1, 32) and nmse(gated, want) < 1e-6
+    assert calls == [["activation", "eps", "norm_weight"]]
+    added = ops.int4_linear_add(x, qweight, scales, zeros, 128, None, res)
+    assert nmse(added, reference.int4_linear_add(x.double(), qweight, scales, zeros, 128, None, res.double())) < 1e-6
+    assert calls[-1] == ["residual"]
+    two = ops.int4_rms_norm_linear(x.repeat(2, 1), nw, 1e-6, qweight, scales, zeros, 128, None, "silu")
+    assert len(calls) == 2 and nmse(two[1:], want) < 1e-5  # composed: the normed x rounded to float16 first
+    with pytest.raises(ValueError, match=r"norm_weight \[128\] for x of 256 features"):
+        ops.int4_rms_norm_linear(x, nw[:128], 1e-6, qweight, scales, zeros, 128, None)
+    with pytest.raises(ValueError, match=r"residual \[1, 32\] for an output of \[1, 64\]"):
+        ops.int4_linear_add(x, qweight, scales, zeros, 128, None, res[:, :32])

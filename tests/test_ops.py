@@ -260,7 +260,8 @@ def log_softmax_cases(dtype):
 
 CASES = {name: globals()[f"{name}_cases"] for name in OP_NAMES if f"{name}_cases" in globals()}
 MOE_OPS = {"moe_route", "fused_experts", "fused_experts_fp8"}  # test_moe_ops.py, test_quant_moe.py: ids as sets, sums by NMSE
-QUANT_OPS = {"int4_linear", "int8_linear", "fp8_linear", "gguf_linear"}  # tests/test_quant_*.py, test_triton_*.py
+QUANT_OPS = {"int4_linear", "int8_linear", "fp8_linear", "gguf_linear",  # tests/test_quant_*.py, test_triton_*.py
+             "int4_rms_norm_linear", "int4_linear_add"}  # (contract 1.18) test_nvidia_pairs_gemv.py, conformance
 FLOAT32_ONLY = {"apply_top_k_top_p", "apply_min_p", "apply_penalties", "random_sample"}  # the contract takes float32 there
 SUMMED = {"rms_norm_linear", "linear_add", "mla_inputs"}  # bfloat16: a sum rounded two or three ways, judged by NMSE in conformance
 

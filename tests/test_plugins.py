@@ -243,7 +243,7 @@ def assert_stock(inv: dict) -> None:
     models = [m for m in inv["models"] if m["distribution"] == "chitu-models"]
     assert [(m["architecture"], m["loaded"]) for m in models] == [(a, True) for a in MODELS]
     assert inv["quant_methods"] == BUILT_IN_QUANT
-    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.17"
+    assert inv["contract_version"] == chitu_core.CONTRACT_VERSION == "1.18"
     assert inv["failures"] == []
 
 

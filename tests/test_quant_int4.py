@@ -421,6 +421,23 @@ FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",
 @pytest.mark.parametrize("method,options,config", E2E, ids=[e[0] for e in E2E])
 def test_tiny_llama_checkpoint_matches_transformers_on_the_dequantized_weights(method, options, config, tmp_path,
                                                                               monkeypatch):
+    hf = _int4_checkpoint(method, options, config, tmp_path, monkeypatch)
+    llm = LLM(tmp_path, device="cpu", dtype="float32", load_progress=False)
+    assert llm.engine.quant.method == method
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 43))]
+    ours = batched_last_logits(llm, prompts)
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    assert (ours - ref).abs().max().item() <= 1e-4
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompts[0]}], greedy)
+    gen = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert out[0].outputs[0].token_ids == gen[0, len(prompts[0]):].tolist()
+
+
+def _int4_checkpoint(method, options, config, tmp_path, monkeypatch):
+    """A tiny Llama saved as a ``method`` checkpoint in tmp_path (every linear of its blocks quantized), the
+    CPU backend set to run it on the method's own ops; the transformers model on the dequantized weights."""
     from chitu_cpu.backend import CpuBackend
 
     monkeypatch.setattr(CpuBackend, "quant_methods", lambda self: frozenset({"unquantized", "awq", "gptq"}))
@@ -442,15 +459,4 @@ def test_tiny_llama_checkpoint_matches_transformers_on_the_dequantized_weights(m
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     hf_config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf_config, "quantization_config": config}))
-
-    llm = LLM(tmp_path, device="cpu", dtype="float32", load_progress=False)
-    assert llm.engine.quant.method == method
-    prompts = [[1, 2, 3, 4, 5], list(range(10, 43))]
-    ours = batched_last_logits(llm, prompts)
-    with torch.no_grad():
-        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
-    assert (ours - ref).abs().max().item() <= 1e-4
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": prompts[0]}], greedy)
-    gen = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
-    assert out[0].outputs[0].token_ids == gen[0, len(prompts[0]):].tolist()
+    return hf

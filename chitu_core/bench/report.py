@@ -5,8 +5,8 @@ DIR holds what the runs wrote (``plugins/nvidia/scripts/gpu_bench.sh`` writes th
 from ``bench serve --json`` (with ``--server-pid``, the server's peak memory under the table), ``gpu_check.json`` (model against transformers, decode profile), and
 ``conformance.md`` (and ``conformance-<name>.md``, other backends' or parts') from ``python -m
 chitu_core.conformance --format md``, included as they are, ``emulation.json`` (emulation_check.py), and
-``MADE_BY``, one line naming the script that made them (default: the GPU scripts), kernel sweeps'
-outputs (``*_sweep*.txt``: their tables), and ``agree.txt``
+``MADE_BY``, one line naming the script that made them (default: the GPU scripts), kernel sweeps' and
+checks' outputs (``*_sweep*.txt``, ``*_check*.txt``: their tables), and ``agree.txt``
 from ``bench agree`` (``agree-unpacked.txt`` from ``bench agree --unpacked``) and ``profile_step*.txt`` from
 ``plugins/nvidia/scripts/profile_step.py --out`` (graph-replayed steps: kernels, busy time, idle gaps),
 included verbatim, and ``breakdown-*.json`` from ``bench profile --json`` (a decode step by module). Every
@@ -264,7 +264,9 @@ def render(directory: Path) -> str:
         if "speed" in r and "nmse" in r:
             lines += ["## Quantized against 16-bit (in situ, same random weights)", "", *quant_check_lines(name, r), ""]
     for sweep in sorted(directory.glob("*_sweep*.txt")):
-        lines += _sweep(sweep)
+        lines += _sweep(sweep, "Kernel sweep")
+    for check in sorted(directory.glob("*_check*.txt")):
+        lines += _sweep(check, "Check")
     for step in sorted(directory.glob("profile_step*.txt")):
         lines += _verbatim(f"## A profiled decode step (`plugins/nvidia/scripts/profile_step.py`, `{step.name}`)", step)
     for agree in sorted(directory.glob("agree*.txt"), key=lambda f: (f.name != "agree.txt", f.name)):  # then --unpacked
@@ -276,17 +278,17 @@ def render(directory: Path) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _sweep(path: Path) -> list[str]:
-    """A kernel sweep's output (``plugins/nvidia/scripts/<name>.py``, saved as ``<name>[-tag].txt``) under a
-    heading naming the script and the file: its device line and its markdown table as they are; a sweep
-    without a table (``quant_sweep.py``'s lines), its text in a code block."""
+def _sweep(path: Path, kind: str) -> list[str]:
+    """A kernel sweep's or a check's output (``plugins/nvidia/scripts/<name>.py``, saved as ``<name>[-tag].txt``)
+    under a heading naming ``kind``, the script and the file: its device line and its markdown table as they
+    are; an output without a table (``quant_sweep.py``'s lines), its text in a code block."""
     script = path.stem.split("-")[0]
-    heading = f"## Kernel sweep (`plugins/nvidia/scripts/{script}.py`, `{path.name}`)"
+    heading = f"## {kind} (`plugins/nvidia/scripts/{script}.py`, `{path.name}`)"
     text = path.read_text().rstrip().splitlines()
     table = [line for line in text if line.startswith("|")]
     if not table:
         return _verbatim(heading, path)
-    device = [text[0]] if text and text[0].startswith("device ") else []
+    device = [line for line in text if line.startswith("device")][:1]
     return [heading, "", *device, *([""] if device else []), *table, ""]
 
 

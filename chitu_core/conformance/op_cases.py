@@ -26,7 +26,8 @@ from chitu_core.conformance.moe_cases import (  # noqa: F401
     moe_route,
 )
 from chitu_core.conformance.norm_cases import fused_add_offset_rms_norm, layer_norm, offset_rms_norm  # noqa: F401
-from chitu_core.conformance.quant_op_cases import fp8_linear, gguf_linear, int4_linear, int8_linear  # noqa: F401
+from chitu_core.conformance.quant_op_cases import (  # noqa: F401
+    fp8_linear, gguf_linear, int4_linear, int4_linear_add, int4_rms_norm_linear, int8_linear)
 from chitu_core.conformance.thresholds import OP_FAMILY
 from chitu_core.ops import reference
 from chitu_core.ops.spec import OP_NAMES, OpSet

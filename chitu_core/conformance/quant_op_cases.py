@@ -1,5 +1,6 @@
 """Operands for the quantized-linear ops of contract 1.2 (``int4_linear``, ``int8_linear``,
-``fp8_linear``, ``gguf_linear``), judged by ``op_cases`` against the reference in float64.
+``fp8_linear``, ``gguf_linear``) and 1.18's fusions over 4-bit weights (``int4_rms_norm_linear``,
+``int4_linear_add``), judged by ``op_cases`` against the reference in float64.
 
 Shapes come from real models (Llama-3.1-8B's 4096 and 14336, DeepSeek-V3's 7168 and its 576-row
 ``kv_a_proj_with_mqa``, which ends in half a 128-block) and from the edges kernels dispatch on (one
@@ -22,6 +23,15 @@ def _spec():
     return In, Spec
 
 
+def _int4_weight(gen, k: int, n: int, group: int, sdtype: torch.dtype) -> list:
+    """qweight, scales, zeros (strided) and the group size, as ``int4_linear`` takes them, outputs O(1)."""
+    In, _ = _spec()
+    qweight = torch.randint(-(1 << 31), 1 << 31, (k // 8, n), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(k // group, n, generator=gen) * 0.5 + 0.5) * (2.0 / (15 * k**0.5))
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
+    return [In(qweight), In(scales.to(sdtype)), In(zeros.to(sdtype), "strided"), group]
+
+
 def int4_linear(dtype) -> Iterator:
     In, Spec = _spec()
     for m, k, n, group, sdtype, bias, layout in [
@@ -30,14 +40,49 @@ def int4_linear(dtype) -> Iterator:
         (5, 256, 24, 128, torch.float32, True, "transposed"), (1, 512, 96, 32, dtype, True, "strided"),
     ]:
         def make(gen, m=m, k=k, n=n, group=group, sdtype=sdtype, bias=bias, layout=layout):
-            qweight = torch.randint(-(1 << 31), 1 << 31, (k // 8, n), generator=gen, dtype=torch.int64).to(torch.int32)
-            scales = (torch.rand(k // group, n, generator=gen) * 0.5 + 0.5) * (2.0 / (15 * k**0.5))
-            zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
+            weight = _int4_weight(gen, k, n, group, sdtype)
             b = In(randn(gen, n, dtype=dtype)) if bias else None
-            return [In(randn(gen, m, k, dtype=dtype), layout), In(qweight), In(scales.to(sdtype)),
-                    In(zeros.to(sdtype), "strided"), group, b], {}
+            return [In(randn(gen, m, k, dtype=dtype), layout), *weight, b], {}
         yield Spec(f"M={m} K={k} N={n} g{group} scales {str(sdtype)[6:]}{' bias' if bias else ''} {layout}",
                    {"m": m, "k": k, "n": n, "group_size": group}, make)
+
+
+def int4_rms_norm_linear(dtype) -> Iterator:  # contract 1.18; the layers' scales are float16
+    In, Spec = _spec()
+    for m, k, n, group, sdtype, bias, act, layout in [
+        (1, 4096, 1024, 128, torch.float16, False, None, "contiguous"),
+        (1, 1024, 1536, 64, torch.float16, True, "silu", "strided"),
+        (1, 768, 80, 128, dtype, False, "gelu", "contiguous"),
+        (3, 512, 192, 32, torch.float16, True, "gelu_tanh", "padded"),
+        (8, 256, 96, 128, torch.float16, False, None, "transposed"),
+    ]:
+        def make(gen, m=m, k=k, n=n, group=group, sdtype=sdtype, bias=bias, act=act, layout=layout):
+            x = randn(gen, m, k, dtype=dtype, scale=3.0)
+            norm_w = randn(gen, k, dtype=dtype, scale=0.3, offset=1.0)
+            weight = _int4_weight(gen, k, n, group, sdtype)
+            b = In(randn(gen, n, dtype=dtype), "strided") if bias else None
+            kwargs = {} if act is None else {"activation": act}
+            return [In(x, layout), In(norm_w, "strided"), 1e-6, *weight, b], kwargs
+        yield Spec(f"M={m} K={k} N={n} g{group} scales {str(sdtype)[6:]}{' bias' if bias else ''}"
+                   f"{' ' + act if act else ''} {layout}", {"m": m, "k": k, "n": n, "group_size": group,
+                                                           "activation": act}, make)
+
+
+def int4_linear_add(dtype) -> Iterator:  # contract 1.18
+    In, Spec = _spec()
+    for m, k, n, group, sdtype, bias, layout, res_layout in [
+        (1, 4096, 1024, 128, torch.float16, False, "contiguous", "contiguous"),
+        (1, 14336, 512, 128, torch.float16, True, "strided", "padded"),
+        (1, 256, 40, 128, dtype, False, "contiguous", "strided"),
+        (2, 512, 96, 32, torch.float16, True, "padded", "contiguous"),
+    ]:
+        def make(gen, m=m, k=k, n=n, group=group, sdtype=sdtype, bias=bias, layout=layout, res_layout=res_layout):
+            weight = _int4_weight(gen, k, n, group, sdtype)
+            b = In(randn(gen, n, dtype=dtype), "strided") if bias else None
+            residual = In(randn(gen, m, n, dtype=dtype), res_layout)
+            return [In(randn(gen, m, k, dtype=dtype), layout), *weight, b, residual], {}
+        yield Spec(f"M={m} K={k} N={n} g{group} scales {str(sdtype)[6:]}{' bias' if bias else ''} {layout}, residual "
+                   f"{res_layout}", {"m": m, "k": k, "n": n, "group_size": group}, make)
 
 
 def int8_linear(dtype) -> Iterator:

@@ -115,8 +115,10 @@ FAMILIES: dict[str, Family] = {
                       "FP8 weights are dequantized exactly, so they round no more",
                       _per_dtype("nmse", dict(limit=1e-9, rtol=1e-4), dict(limit=1e-4, rtol=3e-2),
                                  dict(limit=1e-5, rtol=4e-3))),
-    "quant_matmul": Family("nmse", ("int4_linear", "int8_linear", "fp8_linear", "gguf_linear", "quant/* (quantized)"),
-                           "dequantized weights are exact, products accumulate in float32; with dynamic "
+    "quant_matmul": Family("nmse", ("int4_linear", "int8_linear", "fp8_linear", "gguf_linear", "int4_rms_norm_linear",
+                                    "int4_linear_add", "quant/* (quantized)"),
+                           "dequantized weights are exact, products accumulate in float32 (1.18's fusions around "
+                           "them may round as fused_matmul's do); with dynamic "
                            "activation quantization a value that lies within rounding of an int8/FP8 boundary may "
                            "round the other way in a kernel than in the reference (one such value moves the NMSE "
                            "by about 1e-6)",

@@ -98,9 +98,10 @@ class LinearBase(nn.Module):
         return self.fused(x, norm, activation, residual)
 
     def fuses(self) -> bool:
-        """Whether the fusions may take this layer: a dense weight in the model dtype, multiplied by
-        ``ops.linear`` (not quantized, not in a backend's own layout), and ``splits_fuse()``."""
-        return type(self.quant) is UnquantizedMethod and self.packed is None and self.splits_fuse()
+        """Whether the fusions may take this layer: a weight not in a backend's own layout, whose method has
+        fusions the backend serves (``QuantMethod.fuses``: 1.9's for a dense weight, 1.18's for 4-bit
+        ones), and ``splits_fuse()``."""
+        return self.packed is None and self.splits_fuse() and self.quant.fuses(self, self.ops)
 
     def splits_fuse(self) -> bool:
         """Whether this rank's part takes the fusions: here the input is whole on every rank (a replicated
@@ -110,11 +111,11 @@ class LinearBase(nn.Module):
     def fused(self, x: torch.Tensor, norm: nn.Module | None, activation: str | None,
               residual: torch.Tensor | None) -> torch.Tensor:
         if not self.fuses():
-            raise ValueError(f"{type(self).__name__}: the decode-step fusions take only a dense, unsplit weight "
-                             f"(this one: {self.quant.name}, tp {self.tp_size}); call it without norm or residual")
+            raise ValueError(f"{type(self).__name__}: the decode-step fusions do not take this layer (method "
+                             f"{self.quant.name}, tp {self.tp_size}); call it without norm or residual")
         if norm is not None:
-            return self.ops.rms_norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, activation)
-        return self.ops.linear_add(x, self.weight, self.bias, residual)
+            return self.quant.apply_fused(self, x, norm.weight, norm.eps, activation, None, self.bias, self.ops)
+        return self.quant.apply_fused(self, x, None, 0.0, None, residual, self.bias, self.ops)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -221,8 +222,9 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded)
 
     def splits_fuse(self) -> bool:
-        """Whole on this rank, or the ranks' sum in one pass with the add (``Communicator.fuses_linear_all_reduce``)."""
-        return self.tp_size == 1 or self.comm.fuses_linear_all_reduce()
+        """Whole on this rank, or the ranks' sum in one pass with the add (``Communicator.fuses_linear_all_reduce``,
+        whose ``linear_add`` takes a dense weight)."""
+        return self.tp_size == 1 or (type(self.quant) is UnquantizedMethod and self.comm.fuses_linear_all_reduce())
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """With ``residual``: residual + the product summed over ranks, fused (``LinearBase.forward`` on one

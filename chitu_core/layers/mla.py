@@ -88,7 +88,8 @@ class MultiHeadLatentAttention(nn.Module):
         and ``input_bias`` where both have biases), where both are dense and whole on this rank
         (``LinearBase.fuses``)."""
         first, kv_a = self._first_projections()
-        if not (first.fuses() and kv_a.fuses()) or (first.bias is None) != (kv_a.bias is None):
+        dense = all(type(p.quant) is UnquantizedMethod for p in (first, kv_a))
+        if not (dense and first.fuses() and kv_a.fuses()) or (first.bias is None) != (kv_a.bias is None):
             return
         rows = first.weight.shape[0]
         for name in ("weight", "bias"):

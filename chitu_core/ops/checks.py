@@ -81,6 +81,9 @@ OUTPUTS: dict[str, Callable[[Mapping[str, Any]], Outputs]] = {
     "mla_inputs": lambda a: [((*a["q"].shape[:2], a["w_uk"].shape[2] + a["cos_sin_cache"].shape[-1]), a["q"].dtype),
                              (tuple(a["kv"].shape), a["q"].dtype)],  # contract 1.10
     "linear_float32": lambda a: [((*a["x"].shape[:-1], a["weight"].shape[0]), torch.float32)],  # contract 1.11
+    "int4_rms_norm_linear": lambda a: [((*a["x"].shape[:-1], a["qweight"].shape[1] // (2 if a.get("activation") else 1)
+                                         ), a["x"].dtype)],  # contract 1.18
+    "int4_linear_add": lambda a: [(tuple(a["residual"].shape), a["x"].dtype)],
 }
 """op -> (arguments by name -> [(shape, dtype)] of each output): what ``spec`` says each op returns.
 A new op of the contract adds its rule here (``tests/test_hardening.py`` checks every op has one)."""

@@ -225,3 +225,14 @@ def fused_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk
 
 from chitu_core.ops.quant_reference import fp8_linear, gguf_linear, int4_linear, int8_linear  # noqa: E402,F401  contract 1.2
 from chitu_core.ops.quant_reference import fused_experts_fp8  # noqa: E402,F401  contract 1.3
+
+
+def int4_rms_norm_linear(x: Tensor, norm_weight: Tensor, eps: float, qweight: Tensor, scales: Tensor, zeros: Tensor,
+                         group_size: int, bias: Tensor | None, activation: str | None = None) -> Tensor:  # contract 1.18
+    y = int4_linear(rms_norm(x, norm_weight, eps), qweight, scales, zeros, group_size, bias)
+    return y if activation is None else rms_norm_linear_gated(y, activation)
+
+
+def int4_linear_add(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, group_size: int, bias: Tensor | None,
+                    residual: Tensor) -> Tensor:  # contract 1.18
+    return residual + int4_linear(x, qweight, scales, zeros, group_size, bias)

@@ -272,6 +272,23 @@ class OpSet(Protocol):
         ([..., N]), x widened to float32 exactly and the products summed in float32: a router whose
         weight and logits stay float32 in a bfloat16 model (DeepSeek's), without a cast of x first."""
 
+    # --- contract 1.18: the decode-step fusions over 4-bit weights (layers call them only where the backend
+    # serves them itself, as those of 1.9) ---
+
+    def int4_rms_norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, qweight: Tensor, scales: Tensor,
+                             zeros: Tensor, group_size: int, bias: Tensor | None,
+                             activation: str | None = None) -> Tensor:
+        """``rms_norm_linear`` with ``int4_linear``'s weight: x: [..., K], norm_weight: [K], qweight,
+        scales, zeros and group_size as ``int4_linear`` takes them (W [N, K]), bias: [N] or None. Returns
+        ``int4_linear(rms_norm(x, norm_weight, eps), ...)`` ([..., N]); with ``activation`` its gated
+        activation ([..., N/2]). The normed x may stay in float32; accumulation in float32, the result
+        rounded once."""
+
+    def int4_linear_add(self, x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, group_size: int,
+                        bias: Tensor | None, residual: Tensor) -> Tensor:
+        """``linear_add`` with ``int4_linear``'s weight: ``residual + int4_linear(x, ...)`` ([..., N]); the
+        float32 product may meet the residual before it is rounded."""
+
 
 OP_NAMES: tuple[str, ...] = tuple(
     name for name in OpSet.__dict__ if not name.startswith("_") and callable(OpSet.__dict__[name])

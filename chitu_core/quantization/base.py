@@ -22,6 +22,11 @@ slice), ``process_expert_weights_after_loading`` (in situ: ``quantize`` each exp
 and ``apply_experts`` (through the ops in ``expert_kernels``). The defaults keep a method written for
 1.0-1.2 working: it holds no experts, and a model whose experts it would quantize keeps them dense in
 situ, or is refused with a one-line error when a checkpoint stores them in that format.
+
+Decode-step fusions (contract 1.18): a method names the ops of its fusions in ``fusion_kernels`` (the norm
+before a product, the residual after it) and implements ``apply_fused``; a layer takes them where ``fuses``
+says the backend serves them itself. The unquantized method's are 1.9's ``rms_norm_linear`` and
+``linear_add``, the 4-bit methods' ``int4_rms_norm_linear`` and ``int4_linear_add``; the default has none.
 """
 
 from abc import ABC, abstractmethod
@@ -122,6 +127,25 @@ class QuantMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features] in x.dtype."""
 
+    # --- decode-step fusions of the method's weights (contract 1.18) ----------------------------------
+
+    fusion_kernels: ClassVar[tuple[str, ...]] = ()
+    """Op names ``apply_fused`` calls: the decode-step fusions (1.9's ``rms_norm_linear`` and ``linear_add``)
+    over this method's weights; empty where it has none (the layer then keeps its unfused path)."""
+
+    def fuses(self, layer: nn.Module, ops: Ops) -> bool:
+        """Whether ``apply_fused`` may take ``layer``: the method has fusions and the backend serves each of
+        them itself (where one would be the reference's, the unfused ops stay faster)."""
+        return bool(self.fusion_kernels) and all(
+            name in ops.sources and ops.sources[name].kind != "fallback" for name in self.fusion_kernels)
+
+    def apply_fused(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                    activation: str | None, residual: torch.Tensor | None, bias: torch.Tensor | None,
+                    ops: Ops) -> torch.Tensor:
+        """With ``norm_weight``: the product of rms_norm(x) (and its gated ``activation``, if any); else
+        ``residual`` + the product. Called only where ``fuses``."""
+        raise NotImplementedError(f"quantization method {self.name!r} has no decode-step fusions")
+
     # --- routed MoE experts (contract 1.3) ---------------------------------------------------------
 
     holds_experts: ClassVar[bool] = False
@@ -210,6 +234,16 @@ class UnquantizedMethod(QuantMethod):
 
     def apply(self, layer, x, bias, ops):
         return ops.linear(x, layer.weight, bias)
+
+    fusion_kernels = ("rms_norm_linear", "linear_add")
+
+    def fuses(self, layer, ops):
+        return True  # the decoder layers ask the backend once (llama.serves_fusions); MLA's inputs have their own
+
+    def apply_fused(self, layer, x, norm_weight, eps, activation, residual, bias, ops):
+        if norm_weight is not None:
+            return ops.rms_norm_linear(x, norm_weight, eps, layer.weight, bias, activation)
+        return ops.linear_add(x, layer.weight, bias, residual)
 
     holds_experts = True
     expert_kernels = ("fused_experts",)

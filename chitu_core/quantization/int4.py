@@ -165,3 +165,16 @@ class Int4Method(QuantMethod):
             x = x.index_select(-1, perm)
         group_size = layer.qweight.shape[0] * 8 // layer.scales.shape[0]
         return ops.int4_linear(x, layer.qweight, layer.scales, layer.zeros, group_size, bias)
+
+    fusion_kernels = ("int4_rms_norm_linear", "int4_linear_add")
+
+    def fuses(self, layer: nn.Module, ops: Ops) -> bool:
+        """Not where GPTQ's act-order permutes x first (the norm would need its weight permuted too)."""
+        return getattr(layer, "perm", None) is None and super().fuses(layer, ops)
+
+    def apply_fused(self, layer, x, norm_weight, eps, activation, residual, bias, ops):
+        group_size = layer.qweight.shape[0] * 8 // layer.scales.shape[0]
+        weight = (layer.qweight, layer.scales, layer.zeros, group_size)
+        if norm_weight is not None:
+            return ops.int4_rms_norm_linear(x, norm_weight, eps, *weight, bias, activation)
+        return ops.int4_linear_add(x, *weight, bias, residual)

@@ -18,6 +18,9 @@ and rounds once.
 
 Programmatic dependent launch (``pdl``): the first weight tile is loaded before ``gdc_enter`` waits; x
 and the residual, which the previous kernel wrote, only after.
+
+``finish_fused_row`` is the same epilogue for one-row kernels split along K (the NVIDIA plugin's int4
+kernel with contract 1.18's fusions): the slices' sums and squares meet in the slice that arrives last.
 """
 
 from dataclasses import dataclass
@@ -155,6 +158,49 @@ def _epilogue(y, up, ss, out, bias, res, rm, m_ok, rn, ru, n_ok, K, eps, stride_
     if RESIDUAL:
         y += tl.load(res + rm[:, None] * stride_rm + rn[None, :] * stride_rn, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + rm[:, None] * stride_om + rn[None, :], y.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def finish_fused_row(acc, acc_u, ss, out, partials, squares, counters, bias, res, rn, ru, n_ok, N, K, eps, stride_b,
+                     stride_rn, tile, pid_s, split, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, NORM: tl.constexpr,
+                     ACT: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The fused epilogue (``_epilogue``) of a one-row kernel split along K. acc (and acc_u, the up half's,
+    where gated): [BLOCK_N] float32 sums over this program's slice of K; ss: [1], its slice of x's sum of
+    squares. Without SPLIT_K, finished at once; else stored in partials [split, N] ([split, 2N] gated,
+    the up half after the gate's) and squares [tiles, split], then ``tile``'s counter bumped: the slice
+    arriving last adds every slice in a fixed order (CHUNK slices a load, each chunk as a tree), applies
+    the epilogue and zeroes the counter (``split_k.finish_split``'s protocol). out, res: rows of N."""
+    rm = tl.arange(0, 1)
+    if not SPLIT_K:
+        _epilogue(acc[None, :], acc_u[None, :], ss, out, bias, res, rm, rm < 1, rn, ru, n_ok, K, eps, stride_b, 0,
+                  stride_rn, 0, NORM, ACT, RESIDUAL, HAS_BIAS)
+    else:
+        width = 2 * N if ACT != "none" else N
+        tl.store(partials + pid_s * width + rn, acc, mask=n_ok)
+        if ACT != "none":
+            tl.store(partials + pid_s * width + N + rn, acc_u, mask=n_ok)
+        if NORM:
+            tl.store(squares + tile * split + pid_s + rm, ss)
+        tl.debug_barrier()  # every thread's stores made before the counter moves
+        done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+        if done == split - 1:
+            rs = tl.arange(0, CHUNK)
+            y = tl.zeros(acc.shape, dtype=tl.float32)
+            up = y
+            total_ss = tl.zeros((1,), dtype=tl.float32)
+            for s0 in range(0, split, CHUNK):
+                s_ok = s0 + rs < split
+                offs = (s0 + rs).to(tl.int64)[:, None] * width + rn[None, :]
+                ok = s_ok[:, None] & n_ok[None, :]
+                y += tl.sum(tl.load(partials + offs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+                if ACT != "none":
+                    up += tl.sum(tl.load(partials + offs + N, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+                if NORM:
+                    total_ss += tl.sum(tl.load(squares + tile * split + s0 + rs, mask=s_ok, other=0.0,
+                                               cache_modifier=".cg"), axis=0)
+            _epilogue(y[None, :], up[None, :], total_ss, out, bias, res, rm, rm < 1, rn, ru, n_ok, K, eps, stride_b, 0,
+                      stride_rn, 0, NORM, ACT, RESIDUAL, HAS_BIAS)
+            tl.atomic_xchg(counters + tile, 0)
 
 
 @triton.jit

@@ -62,7 +62,12 @@ def _nibble_sixteenths(w, J: tl.constexpr):
 def x8(xs, stride_xk, R: tl.constexpr):
     """x at features 8i + j for j = 0..7 (a tuple of [R]; xs: the packed rows' first features), as stored:
     one [R, 8] load (a row's eight in one request), split into its columns."""
-    t = tl.load(xs[:, None] + tl.arange(0, 8)[None, :] * stride_xk)
+    return split8(tl.load(xs[:, None] + tl.arange(0, 8)[None, :] * stride_xk), R)
+
+
+@triton.jit
+def split8(t, R: tl.constexpr):
+    """The eight columns of t [R, 8], as a tuple of [R]."""
     even, odd = tl.split(tl.reshape(t, (R, 4, 2)))  # columns 0 2 4 6, 1 3 5 7
     e04, e26 = tl.split(tl.reshape(even, (R, 2, 2)))
     o15, o37 = tl.split(tl.reshape(odd, (R, 2, 2)))
@@ -122,9 +127,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 
 def launch_int4_gemv(kernel, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bias: torch.Tensor | None, cfg: GemvConfig, what: str,
-                     **constexprs) -> torch.Tensor:
-    """Launch a one-row int4 kernel that takes ``_int4_gemv_kernel``'s arguments (and ``constexprs``
-    beside them) over ``cfg``'s column blocks and slices of K; the result as ``int4_gemv`` returns it."""
+                     **extra) -> torch.Tensor:
+    """Launch a one-row int4 kernel that takes ``_int4_gemv_kernel``'s arguments (and ``extra`` ones, by
+    name, beside them) over ``cfg``'s column blocks and slices of K; the result as ``int4_gemv`` returns it."""
     k, n = x.shape[-1], qweight.shape[1]
     if group_size % cfg.block_k or cfg.block_k % 8:
         raise ValueError(f"{what}: block_k {cfg.block_k} must be a multiple of 8 dividing group size {group_size}")
@@ -136,5 +141,5 @@ def launch_int4_gemv(kernel, x: torch.Tensor, qweight: torch.Tensor, scales: tor
         out, plan.partials, plan.counters, row, qweight, scales, zeros, b, n, k, plan.k_per_split, plan.split,
         row.stride(0), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0),
         GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
-        **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device))
+        **extra, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device))
     return out.reshape(*x.shape[:-1], n)

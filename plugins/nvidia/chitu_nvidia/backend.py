@@ -23,7 +23,7 @@ class NvidiaBackend(TritonBackend):
     # 1.9: the decode-step fusions (ops.rms_norm_linear, ops.linear_add); 1.10: ops.mla_inputs;
     # 1.11: ops.linear_float32; 1.12: AttentionBackend.fuses_qk_norm; 1.13: linear_add of the fast all-reduce;
     # 1.17: fp8's act_quant as a number of rows
-    contract_version = "1.17"
+    contract_version = "1.18"
     priority = 100
 
     def stack_problem(self) -> str:

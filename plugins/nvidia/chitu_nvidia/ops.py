@@ -11,7 +11,9 @@ take the fused matrix-vector kernel at batch 1 for weights of up to ``MAX_FUSED_
 kernel, served here rather than by every Triton backend: its per-head matrix-vector products suit decode
 steps (``fusion_max_tokens``), not a prefill's thousands of tokens. One row of 16-bit x through
 ``int4_linear``, or through ``fp8_linear`` with unquantized activations, takes this plugin's
-matrix-vector kernels with their products in fp16 pairs (``int4_gemv``, ``fp8_gemv``: PTX). Before
+matrix-vector kernels with their products in fp16 pairs (``int4_gemv``, ``fp8_gemv``: PTX); with
+CHITU_INT4_FUSIONS=1 (``INT4_FUSIONS``) so do the 4-bit weights' fusions of contract 1.18
+(``int4_rms_norm_linear``, ``int4_linear_add``), in that kernel's prologue and epilogue. Before
 Ada/Hopper (compute capability 8.9) there are no FP8 types, so the FP8 linears and experts decode the
 bytes in registers. Sampling filters and penalties stay reference fallbacks until on-device sampling
 kernels land.
@@ -62,6 +64,12 @@ PAIRS_GEMV = os.environ.get("CHITU_PAIRS_GEMV", "1") != "0"
 """One row of 16-bit x through int4_linear, and through fp8_linear without activation quantization, takes
 ``int4_gemv`` / ``fp8_gemv`` (products in fp16 pairs, PTX); CHITU_PAIRS_GEMV=0 leaves them to the portable
 Triton kernels (to compare)."""
+INT4_FUSIONS = os.environ.get("CHITU_INT4_FUSIONS", "0") == "1"
+"""Whether this backend serves the 4-bit weights' fusions of contract 1.18 (on ``int4_gemv``); by default it
+leaves them to the reference, so the layers keep their unfused path. On an H200 each fused product alone is as
+fast or faster (Llama-3.1-8B's qkv 9.1 against 11.1 us, gate/up 26.3 against 27.0), but batch-1 decode is not:
+414.4 tok/s with them, 416.9 without (docs/benchmarks/nvidia-h200-int4-fusions.md): under dependent launch the
+norm kernels they replace overlap their neighbours. CHITU_INT4_FUSIONS=1 serves them (to compare)."""
 FP8_CAPABILITY = (8, 9)
 """Compute capability from which the GPU has FP8 types (Ada, Hopper and newer): Triton reads float8_e4m3fn
 and PTX converts e4m3 pairs to fp16 pairs in one instruction."""
@@ -117,11 +125,45 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """int4_linear: one row of bfloat16 or float16 x on ``int4_gemv``, else the portable kernel."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if rows != 1 or x.dtype not in (torch.bfloat16, torch.float16) or not PAIRS_GEMV or qweight.shape[-1] == 0:
+    if not _int4_pairs_take(x, qweight):
         return _pairs["int4_linear"](x, qweight, scales, zeros, group_size, bias)
     _pairs["int4_check"](x, qweight, scales, zeros, group_size)
     return _pairs["int4_gemv"](x, qweight, scales, zeros, group_size, bias)
+
+
+def _int4_pairs_take(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether ``int4_gemv`` takes x: one row of bfloat16 or float16, a weight with columns."""
+    return (x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and PAIRS_GEMV
+            and qweight.shape[-1] > 0)
+
+
+def int4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qweight: torch.Tensor,
+                         scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                         activation: str | None = None) -> torch.Tensor:
+    """Contract 1.18: one row on ``int4_gemv`` with the norm in its prologue (and the gated activation in its
+    epilogue); else the norm, ``int4_linear`` and the activation."""
+    if activation not in (None, "silu", "gelu", "gelu_tanh"):
+        raise ValueError(f"int4_rms_norm_linear: activation {activation!r} is not 'silu', 'gelu', 'gelu_tanh' or None")
+    if not _int4_pairs_take(x, qweight):
+        return _gated(int4_linear(_unfused["rms_norm"](x, norm_weight, eps), qweight, scales, zeros, group_size, bias),
+                      activation)
+    _pairs["int4_check"](x, qweight, scales, zeros, group_size)
+    if tuple(norm_weight.shape) != (x.shape[-1],):
+        raise ValueError(f"int4_rms_norm_linear: norm_weight {list(norm_weight.shape)} for x of {x.shape[-1]} features")
+    return _pairs["int4_gemv"](x, qweight, scales, zeros, group_size, bias, norm_weight=norm_weight, eps=eps,
+                               activation=activation)
+
+
+def int4_linear_add(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    """Contract 1.18: one row on ``int4_gemv`` with the residual in its epilogue; else ``int4_linear`` and the add."""
+    if not _int4_pairs_take(x, qweight):
+        return residual + int4_linear(x, qweight, scales, zeros, group_size, bias)
+    _pairs["int4_check"](x, qweight, scales, zeros, group_size)
+    if tuple(residual.shape) != (*x.shape[:-1], qweight.shape[1]):
+        raise ValueError(f"int4_linear_add: residual {list(residual.shape)} for an output of "
+                         f"{[*x.shape[:-1], qweight.shape[1]]}")
+    return _pairs["int4_gemv"](x, qweight, scales, zeros, group_size, bias, residual=residual)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None,
@@ -151,7 +193,11 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weig
         return _splitk_gemv(x, weight, bias, norm_weight, eps)
     if _fused_rows(x, weight) and not splitk:
         return _fused_gemv(x, weight, bias, norm_weight, eps, activation)
-    y = linear(_unfused["rms_norm"](x, norm_weight, eps), weight, bias)
+    return _gated(linear(_unfused["rms_norm"](x, norm_weight, eps), weight, bias), activation)
+
+
+def _gated(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """The unfused gated activation of a product (or the product itself)."""
     if activation is None:
         return y
     if activation == "silu":
@@ -195,6 +241,8 @@ def nvidia_ops() -> dict[str, Callable]:
                                 "mla_inputs": mla_inputs,  # contract 1.10
                                 "linear_float32": linear_float32,  # contract 1.11
                                 "int4_linear": int4_linear}
+    if INT4_FUSIONS:  # contract 1.18
+        ops.update(int4_rms_norm_linear=int4_rms_norm_linear, int4_linear_add=int4_linear_add)
     if torch.cuda.is_available() and not has_fp8_types():
         from chitu_core.kernels.triton.fp8_linear import fp8_linear_bytes
         from chitu_core.kernels.triton.moe_fp8 import fused_experts_fp8_bytes

@@ -9,9 +9,9 @@ once, from memory), the calls replayed from a CUDA graph (``quant_kernels.timed`
 kind: the fastest config, its time, share of the floor, and its error against the float64 reference;
 also whether two calls give the same bits (the split-K order is fixed). A table last.
 
-    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/gemv_sweep.py [portable] [pairs] [fp8]
+    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/gemv_sweep.py [portable] [pairs] [fp8] [fused]
 
-(every kind when none is named).
+(every kind when none is named; ``fused``: contract 1.18's fusions at each product, fused and not).
 """
 
 import itertools
@@ -27,6 +27,7 @@ from chitu_core.kernels.triton.fp8_linear import fp8_linear
 from chitu_nvidia.fp8_gemv import fp8_gemv, fp8_gemv_config
 from chitu_nvidia.int4_gemv import int4_gemv, int4_gemv_config
 from chitu_core.ops import quant_reference as ref
+from chitu_core.ops import reference
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from quant_kernels import DEV, SHAPES, nmse, operands, timed  # noqa: E402
@@ -119,6 +120,52 @@ def int4_rows(sname, x, n, k, kinds, units, bw):
     return rows
 
 
+FUSIONS = {"qkv": "norm", "o": "add", "gate_up": "silu", "down": "add"}  # contract 1.18's, as the layers call them
+
+
+def fused_rows(sname, x, n, k, bw):
+    """Contract 1.18's fusion at this product (the norm before qkv, the norm and the activation around gate/up,
+    the residual after o and down) in the NVIDIA op's kernel, against the same in its unfused ops (the Triton
+    norm, ``int4_linear``, the activation or a torch add) and the product alone."""
+    from chitu_nvidia import ops
+
+    ops.nvidia_ops()
+    fusion = FUSIONS[sname]
+    args, wbytes = operands("int4_linear", n, k, "g128")
+    sets = copies(lambda i: operands("int4_linear", n, k, "g128")[0] if i else args, wbytes)
+    nw = (1 + 0.1 * torch.randn(k, device=DEV)).to(x.dtype)
+    res = torch.randn(1, n, device=DEV, dtype=x.dtype)
+    act = None if fusion in ("norm", "add") else fusion
+    if fusion == "add":
+        fused = lambda q, s, z, g, b: ops.int4_linear_add(x, q, s, z, g, b, res)  # noqa: E731
+        unfused = lambda q, s, z, g, b: res + ops.int4_linear(x, q, s, z, g, b)  # noqa: E731
+        want = ref.int4_linear(x.double(), *args) + res.double()
+    else:
+        fused = lambda q, s, z, g, b: ops.int4_rms_norm_linear(x, nw, 1e-5, q, s, z, g, b, act)  # noqa: E731
+
+        def unfused(q, s, z, g, b):
+            return ops._gated(ops.int4_linear(ops._unfused["rms_norm"](x, nw, 1e-5), q, s, z, g, b), act)
+        want = reference.int4_rms_norm_linear(x.double(), nw.double(), 1e-5, *args, act)
+    rows = []
+    for label, fn in (("int4 product alone", lambda *a: int4_gemv(x, *a)), (f"int4 {fusion} unfused", unfused),
+                      (f"int4 {fusion} fused", fused)):
+        us = timed_rotated(fn, sets)
+        rows.append((sname, label, "default", f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}",
+                     "" if label.endswith("alone") else f"{nmse(fn(*args), want):.1e}", ""))
+    if act is not None:  # the kernel's gated form (a tile of each half a program), which the op does not take
+        units = torch.cuda.get_device_properties(DEV).multi_processor_count
+        for bn, bk, warps, per_unit in ((256, 32, 2, 8), (128, 32, 1, 8), (512, 32, 4, 8), (256, 64, 2, 8),
+                                        (256, 32, 2, 4), (128, 64, 1, 16)):
+            cfg = GemvConfig(bn, bk, max(1, -(-per_unit * units // -(-n // 2 // bn))), warps)
+
+            def gated(q, s, z, g, b, cfg=cfg):
+                return int4_gemv(x, q, s, z, g, b, cfg, norm_weight=nw, eps=1e-5, activation=act)
+            us = timed_rotated(gated, sets)
+            rows.append((sname, f"int4 {fusion} gated kernel", str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}",
+                         f"{nmse(gated(*args), want):.1e}", ""))
+    return rows
+
+
 def fp8_rows(sname, x, n, k, units, bw):
     block = (128, 128)
     args, wbytes = operands("fp8_linear", n, k, "block")
@@ -140,7 +187,7 @@ def fp8_rows(sname, x, n, k, units, bw):
 
 
 def main() -> int:
-    kinds = sys.argv[1:] or ["portable", "pairs", "fp8"]
+    kinds = sys.argv[1:] or ["portable", "pairs", "fp8", "fused"]
     bw = copy_bandwidth(DEV, torch.cuda.synchronize)
     units = torch.cuda.get_device_properties(DEV).multi_processor_count
     print(f"device {torch.cuda.get_device_name()}, {units} units, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -155,6 +202,8 @@ def main() -> int:
             rows += int4_rows(sname, x, n, k, kinds, units, bw)
         if "fp8" in kinds:
             rows += fp8_rows(sname, x, n, k, units, bw)
+        if "fused" in kinds:
+            rows += fused_rows(sname, x, n, k, bw)
         print(rows[-7:], flush=True)
     print_table(rows, "same bits")
     return 0
