@@ -7,7 +7,12 @@ from types import SimpleNamespace
 import torch
 
 from chitu_core import LLM, SamplingParams
+from chitu_core.layers.context import BuildContext
+from chitu_core.layers.linear import ColumnParallelLinear, RowParallelLinear
+from chitu_core.ops import reference
+from chitu_core.ops.table import resolve_ops
 from chitu_core.quantization.gptq import GPTQMethod
+from chitu_core.quantization.select import QuantSpec
 from test_models import batched_last_logits
 from test_quant_int4 import E2E, _int4_checkpoint
 
@@ -18,7 +23,6 @@ def test_int4_layers_take_the_fusions_a_backend_serves(tmp_path, monkeypatch):
     and down's), with the same logits and greedy tokens as the unfused path; GPTQ with act-order (x
     permuted first) keeps the unfused path."""
     from chitu_cpu.backend import CpuBackend
-    from chitu_core.ops import reference
 
     calls = []
 
@@ -51,3 +55,19 @@ def test_int4_layers_take_the_fusions_a_backend_serves(tmp_path, monkeypatch):
                  ("int4_linear_add", None)]
     assert calls[:4 * len(layers)] == per_layer * len(layers)
     assert not GPTQMethod({"group_size": 32}).fuses(SimpleNamespace(perm=torch.arange(8)), llm.engine.ops)
+
+
+def test_a_row_split_4bit_layer_keeps_the_unfused_path_under_tensor_parallelism():
+    """The one-pass sum of a row-split product (contract 1.13's ``linear_add`` of the fast all-reduce) takes a
+    dense weight: a 4-bit row-split layer on two ranks does not take the fusions; a column-split one does, as
+    does the dense row-split one."""
+    ops = resolve_ops("acme", {"int4_rms_norm_linear": reference.int4_rms_norm_linear,
+                               "int4_linear_add": reference.int4_linear_add})
+    comm = SimpleNamespace(rank=0, world_size=2, all_reduce=lambda x: x, fuses_linear_all_reduce=lambda: True)
+
+    def ctx(method):
+        return BuildContext(ops, None, comm, torch.float32, torch.device("cpu"), QuantSpec(method, {"group_size": 32}))
+
+    assert not RowParallelLinear(128, 64, ctx("awq")).fuses()
+    assert ColumnParallelLinear(128, 64, ctx("awq")).fuses()
+    assert RowParallelLinear(128, 64, ctx("unquantized")).fuses()

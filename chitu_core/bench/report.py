@@ -82,16 +82,22 @@ def serve_table(serves: list[tuple[str, dict[str, Any]]], offline: dict[str, Any
 
 
 def model_table(check: dict[str, Any]) -> list[str]:
+    """One row a reference dtype and prompt; where the check ran each prompt alone too (gpu_check.py since
+    2026-11-29), its batch-1 decode steps' NMSE beside transformers bf16's on them."""
+    decode = any("decode_nmse" in m for m in check["model_rows"])
     lines = ["| reference | prompt | last-token NMSE | teacher-forced steps not its argmax (over 1 bf16 ulp) "
              "| worst margin (ulps) | free-running equal prefix of 32 | its top-2 gap at the divergence (ulps) "
-             "| ours in float32, NMSE | transformers bf16, NMSE |", "|---|---|---|---|---|---|---|---|---|"]
+             "| ours in float32, NMSE | transformers bf16, NMSE |"
+             + (" batch-1 decode steps 2-32, NMSE | transformers bf16 on them, NMSE |" if decode else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if decode else "")]
     for m in check["model_rows"]:
         gap = f"{m['divergence_gap']:.3g} ({m['divergence_gap_ulps']:.3g})" if "divergence_gap" in m else "-"
         lines.append(
             f"| transformers {m['dtype']} | {m['prompt_len']} | {m['last_logits_nmse']:.3g} | {m['forced_off']}/32 "
             f"({m['forced_off_over_ulp']}) | {m['worst_margin']:.3g} ({m['worst_margin_ulps']:.3g}) "
             f"| {m.get('equal_prefix', '-')} | {gap} | {_fmt(m.get('ours_fp32_nmse'), '.3g')} "
-            f"| {_fmt(m.get('hf_bf16_nmse'), '.3g')} |")
+            f"| {_fmt(m.get('hf_bf16_nmse'), '.3g')} |"
+            + (f" {_fmt(m.get('decode_nmse'), '.3g')} | {_fmt(m.get('hf_bf16_decode_nmse'), '.3g')} |" if decode else ""))
     return lines
 
 
