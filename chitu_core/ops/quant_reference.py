@@ -26,17 +26,13 @@ def unpack_int4(qweight: Tensor) -> Tensor:
     return q.reshape(-1, qweight.shape[1])
 
 
-def int4_weight(qweight: Tensor, scales: Tensor, zeros: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
-    """``int4_linear``'s W [N, K] in ``dtype`` (exact in float32 and float64)."""
-    q = unpack_int4(qweight).to(dtype)  # [K, N]
-    s = scales.to(dtype).repeat_interleave(group_size, dim=0)
-    z = zeros.to(dtype).repeat_interleave(group_size, dim=0)
-    return ((q - z) * s).T
-
-
 def int4_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, group_size: int,
                 bias: Tensor | None) -> Tensor:
-    return _finish(x, int4_weight(qweight, scales, zeros, group_size, _acc(x)), bias)
+    acc = _acc(x)
+    q = unpack_int4(qweight).to(acc)  # [K, N]
+    s = scales.to(acc).repeat_interleave(group_size, dim=0)
+    z = zeros.to(acc).repeat_interleave(group_size, dim=0)
+    return _finish(x, ((q - z) * s).T, bias)
 
 
 def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:

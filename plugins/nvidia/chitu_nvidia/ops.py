@@ -142,8 +142,7 @@ def int4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                          activation: str | None = None) -> torch.Tensor:
     """Contract 1.18: one row on ``int4_gemv`` with the norm in its prologue (and the gated activation in its
     epilogue); else the norm, ``int4_linear`` and the activation."""
-    if activation not in (None, "silu", "gelu", "gelu_tanh"):
-        raise ValueError(f"int4_rms_norm_linear: activation {activation!r} is not 'silu', 'gelu', 'gelu_tanh' or None")
+    _check_activation("int4_rms_norm_linear", activation)
     if not _int4_pairs_take(x, qweight):
         return _gated(int4_linear(_unfused["rms_norm"](x, norm_weight, eps), qweight, scales, zeros, group_size, bias),
                       activation)
@@ -186,14 +185,18 @@ def _fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                     bias: torch.Tensor | None, activation: str | None = None) -> torch.Tensor:
-    if activation not in (None, "silu", "gelu", "gelu_tanh"):
-        raise ValueError(f"rms_norm_linear: activation {activation!r} is not 'silu', 'gelu', 'gelu_tanh' or None")
+    _check_activation("rms_norm_linear", activation)
     splitk = splitk_takes(x, weight)
     if splitk and activation is None:  # gated: the norm, then linear's split-K kernel, then the activation
         return _splitk_gemv(x, weight, bias, norm_weight, eps)
     if _fused_rows(x, weight) and not splitk:
         return _fused_gemv(x, weight, bias, norm_weight, eps, activation)
     return _gated(linear(_unfused["rms_norm"](x, norm_weight, eps), weight, bias), activation)
+
+
+def _check_activation(op: str, activation: str | None) -> None:
+    if activation not in (None, "silu", "gelu", "gelu_tanh"):
+        raise ValueError(f"{op}: activation {activation!r} is not 'silu', 'gelu', 'gelu_tanh' or None")
 
 
 def _gated(y: torch.Tensor, activation: str | None) -> torch.Tensor:
