@@ -3,9 +3,14 @@ stream finishes, so its launch and its prologue (loading weights, which no earli
 overlap that kernel's tail; device graphs keep the overlap (the edge is recorded as programmatic).
 
 A kernel that opts in takes a ``PDL`` constexpr and
-  * calls ``gdc_wait(PDL)`` in every program before it reads anything an earlier kernel wrote, writes
-    anything, or returns (a program that returned without waiting could let the grid complete before
-    its predecessor, and a kernel after it would then wait on too little);
+  * calls ``gdc_wait(PDL)`` in every program before it reads anything a kernel of the step may have
+    written, writes anything, or returns (a program that returned without waiting could let the grid
+    complete before its predecessor, and a kernel after it would then wait on too little). Before the
+    wait it reads only weights, constant tables and the step's inputs (token positions, cache slots,
+    sequence lengths, block tables: copied in before the step or by its first kernel, never by a model's
+    kernel): a kernel starts only once every program of the one before has passed its own wait, so
+    anything written two kernels back or earlier is complete; and it may ask for lines to be brought
+    into L2 (``l2_prefetch``), a hint that cannot make anything read stale;
   * calls ``gdc_launch_dependents(PDL)`` once it is fine for the next kernel to be scheduled (at once
     after the wait: the next kernel's programs only wait, and only once all of this grid has started);
     ``gdc_enter(PDL)`` does both, the way every kernel here starts (a matrix-vector kernel first issues
@@ -73,6 +78,17 @@ def gdc_launch_dependents(PDL: tl.constexpr):
     """Let the next kernel be scheduled once every program of this one has got here (PDL only)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def l2_prefetch(ptrs, PDL: tl.constexpr):
+    """Ask for the 128-byte lines at ``ptrs`` to be brought into the L2 cache, without waiting for them (PDL
+    only: what a kernel reads before its wait while the kernel before it finishes, so that its first loads
+    after the wait find their lines in L2 or on the way). A hint: a line a later kernel writes is not read
+    stale, since the write lands in L2 as well."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 def pdl_options(device: torch.device) -> dict:

@@ -7,7 +7,9 @@ Returns new contiguous q and k. The fused variant also stores the rotated keys
 and the values at the token's cache slot (layout and padding rule as kv_cache.py),
 saving the separate write's re-read of k. Into an fp8 cache it stores the rotated
 keys rounded to k's dtype first, so that the bytes are those of the separate
-rotary op followed by the cache write.
+rotary op followed by the cache write. Launched dependent (``pdl``), it reads the positions,
+their cos|sin rows and the slots before waiting for the kernel before it (the qkv product): step
+inputs and a constant table, which no kernel of the step writes.
 """
 
 import torch
@@ -86,12 +88,16 @@ def _rotary_kernel(
     DIM_P: tl.constexpr, IS_NEOX: tl.constexpr, WRITE_CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    gdc_enter(PDL)
+    # positions and slots are engine inputs no kernel of the step writes, the table a constant: read before the
+    # wait, while the kernel before (the qkv product) finishes; q, k and v after it
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t * stride_pos).to(tl.int64)
     i = tl.arange(0, HALF_P)[None, :]
     cos = tl.load(cos_sin + pos * stride_cs + i, mask=i < half, other=0.0)
     sin = tl.load(cos_sin + pos * stride_cs + half + i, mask=i < half, other=0.0)
+    if WRITE_CACHE:
+        slot = tl.load(slot_mapping + t).to(tl.int64)
+    gdc_enter(PDL)
     _rotate_heads(q + t * stride_qt, stride_qh, stride_qd, q_out + t * num_q_heads * head_dim, head_dim,
                   num_q_heads, half, head_dim, cos, sin, kv_scale, q_norm_w, eps, Q_HEADS_P, HALF_P, PASS_P, DIM_P,
                   IS_NEOX, False, NORM)
@@ -99,7 +105,6 @@ def _rotary_kernel(
                   num_kv_heads, half, head_dim, cos, sin, kv_scale, k_norm_w, eps, K_HEADS_P, HALF_P, PASS_P, DIM_P,
                   IS_NEOX, False, NORM)
     if WRITE_CACHE:
-        slot = tl.load(slot_mapping + t).to(tl.int64)
         if slot >= 0:
             dst = cache + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok
             _rotate_heads(k + t * stride_kt, stride_kh, stride_kd, dst, stride_c_head, num_kv_heads, half, head_dim,
