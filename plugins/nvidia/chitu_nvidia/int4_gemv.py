@@ -114,6 +114,20 @@ def _operands(w_cols, g_s, g_z, row, ri, n_ok, stride_qk, stride_sg, stride_zg, 
 
 
 @triton.jit
+def _halves(w_cols, g_s, g_z, row, ri, n_ok, u_off, u_s, u_z, stride_qk, stride_sg, stride_zg, GROUP: tl.constexpr,
+            GATED: tl.constexpr):
+    """``_operands`` of a step for the program's columns and, where gated, for the up half's (u_off, u_s, u_z
+    past them; else the same ones again)."""
+    w, s, z = _operands(w_cols, g_s, g_z, row, ri, n_ok, stride_qk, stride_sg, stride_zg, GROUP)
+    if GATED:
+        w_u, s_u, z_u = _operands(w_cols + u_off, g_s + u_s, g_z + u_z, row, ri, n_ok, stride_qk, stride_sg,
+                                  stride_zg, GROUP)
+    else:
+        w_u, s_u, z_u = w, s, z
+    return w, s, z, w_u, s_u, z_u
+
+
+@triton.jit
 def _x8_rows(x, rows, stride_xk):
     """x at features 8i + j for i in rows, j = 0..7: one [R, 8] load."""
     return tl.load(x + (rows * 8 * stride_xk)[:, None] + tl.arange(0, 8)[None, :] * stride_xk)
@@ -142,7 +156,7 @@ def _int4_pairs_kernel(
         n_ok = tl.full((BLOCK_N,), True, tl.int1)
     ri = tl.arange(0, R)
     w_cols = qweight + rn[None, :] * stride_qn
-    u_off = N * stride_qn  # the up half's columns, where gated
+    u_off, u_s, u_z = N * stride_qn, N * stride_sn, N * stride_zn  # the up half's columns, where gated
     last = k_hi // 8 - R  # the slice's last tile: a prefetch past it loads that tile again, unmasked
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = acc
@@ -151,10 +165,8 @@ def _int4_pairs_kernel(
     # norm, x and the norm's weight as [R, 8] tiles, split once multiplied: one set of layout changes a step)
     row = k_lo // 8
     g_s, g_z = scales + rn * stride_sn, zeros + rn * stride_zn
-    nxt, ns, nz = _operands(w_cols, g_s, g_z, row, ri, n_ok, stride_qk, stride_sg, stride_zg, GROUP)
-    if GATED:
-        nxt_u, ns_u, nz_u = _operands(w_cols + u_off, g_s + N * stride_sn, g_z + N * stride_zn, row, ri, n_ok,
-                                      stride_qk, stride_sg, stride_zg, GROUP)
+    nxt, ns, nz, nxt_u, ns_u, nz_u = _halves(w_cols, g_s, g_z, row, ri, n_ok, u_off, u_s, u_z, stride_qk, stride_sg,
+                                             stride_zg, GROUP, GATED)
     if NORM:
         n_nw = _x8_rows(nw, row + ri, stride_nw)
     gdc_enter(PDL)  # the loads before it are weights, which no earlier kernel writes
@@ -163,7 +175,7 @@ def _int4_pairs_kernel(
     else:
         nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = x8(x + (row + ri) * 8 * stride_xk, stride_xk, R)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        w, s, z = nxt, ns, nz
+        w, s, z, w_u, s_u, z_u = nxt, ns, nz, nxt_u, ns_u, nz_u
         if NORM:
             xt = n_x.to(tl.float32)
             squares_r += tl.sum(xt * xt, axis=1)
@@ -173,13 +185,9 @@ def _int4_pairs_kernel(
                 nx2.to(tl.float32) * X_SCALE, nx3.to(tl.float32) * X_SCALE
             x4, x5, x6, x7 = nx4.to(tl.float32) * X_SCALE, nx5.to(tl.float32) * X_SCALE, \
                 nx6.to(tl.float32) * X_SCALE, nx7.to(tl.float32) * X_SCALE
-        if GATED:
-            w_u, s_u, z_u = nxt_u, ns_u, nz_u
         row = tl.minimum(k0 // 8 + R, last)
-        nxt, ns, nz = _operands(w_cols, g_s, g_z, row, ri, n_ok, stride_qk, stride_sg, stride_zg, GROUP)
-        if GATED:
-            nxt_u, ns_u, nz_u = _operands(w_cols + u_off, g_s + N * stride_sn, g_z + N * stride_zn, row, ri, n_ok,
-                                          stride_qk, stride_sg, stride_zg, GROUP)
+        nxt, ns, nz, nxt_u, ns_u, nz_u = _halves(w_cols, g_s, g_z, row, ri, n_ok, u_off, u_s, u_z, stride_qk,
+                                                 stride_sg, stride_zg, GROUP, GATED)
         if NORM:
             n_x = _x8_rows(x, row + ri, stride_xk)
             n_nw = _x8_rows(nw, row + ri, stride_nw)
