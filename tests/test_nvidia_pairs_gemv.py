@@ -50,6 +50,7 @@ INT4_CASES = [  # k, n, group, config (None: the default), dtype
     (256, 48, 8, None, torch.float16),                         # groups of 8: one packed row a step
     (512, 512, 64, None, torch.bfloat16),                      # the default tiles
     (512, 1024, 32, GemvConfig(512, 32, 3, 2), torch.float16),  # wide weights' tiles, uneven slices
+    (2560, 64, 128, GemvConfig(64, 32, 40, 2), torch.bfloat16),  # 40 slices: finished 16, 16 and 8 a load
 ]
 
 
@@ -164,7 +165,7 @@ def test_configs_are_the_measured_tiles():
     functions' docstrings)."""
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     assert [int4.int4_gemv_config(n, k, 128, 132) for n, k in shapes] == [
-        GemvConfig(128, 64, 22, 1), GemvConfig(128, 64, 33, 1), GemvConfig(512, 32, 19, 2), GemvConfig(128, 64, 33, 1)]
+        GemvConfig(256, 64, 22, 2), GemvConfig(256, 64, 33, 2), GemvConfig(512, 32, 19, 2), GemvConfig(256, 64, 33, 2)]
     assert int4.int4_gemv_config(4096, 4096, 16, 132).block_k == 16
     assert int4.int4_gemv_config(4096, 4096, 32, 132).block_k == 32
     assert int4.int4_gemv_config(28672, 4096, 16, 132).block_k == 16  # wide: 32 features a step, or fewer

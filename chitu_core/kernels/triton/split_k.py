@@ -82,12 +82,13 @@ def k_mask(k, k_hi, EVEN_K: tl.constexpr):
 
 @triton.jit
 def finish_split(acc, out, partials, counters, bias, rm, rn, mask, M, N, stride_om, stride_b, tile, pid_s, split,
-                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, THREADS: tl.constexpr = 32):
     """Store acc [BM, BN] (float32 sums over this program's slice of K; rows rm, columns rn) into out
     [M, N] (row stride stride_om, column stride 1) + bias: directly without SPLIT_K, else through
     partials [split, M, N] (contiguous) and ``tile``'s counter, the last slice adding them in a fixed
     order: one after another, or for one row (the matrix-vector kernels, split many ways) a chunk of
-    slices a load, each chunk summed as a tree."""
+    slices a load (about 64 float32 a thread of the program's THREADS, 2 to 16 slices), each chunk summed
+    as a tree."""
     offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if not SPLIT_K:
         if HAS_BIAS:
@@ -101,7 +102,7 @@ def finish_split(acc, out, partials, counters, bias, rm, rn, mask, M, N, stride_
         if done == split - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
             if acc.shape[0] == 1:  # one row: CHUNK slices a load, so the reads overlap instead of queueing
-                CHUNK: tl.constexpr = min(16, max(2, 2048 // acc.shape[1]))
+                CHUNK: tl.constexpr = min(16, max(2, 64 * THREADS // acc.shape[1]))
                 rs = tl.arange(0, CHUNK)
                 for s0 in range(0, split, CHUNK):
                     got = tl.load(partials + (s0 + rs).to(tl.int64)[:, None] * M * N + part,

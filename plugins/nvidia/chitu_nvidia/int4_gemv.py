@@ -20,8 +20,8 @@ about 2^-11 of a product, under bfloat16's own 2^-9 on the output (conformance: 
 A program owns BLOCK_N columns and a slice of K; every operand of a step (words, the group's scales
 and zeros, x: one [R, 8] load) is loaded a step ahead; split-K partial sums are added in a fixed order
 by the slice that finishes last (``split_k.finish_split``); dependent launch with the first words,
-scales and zeros issued before the wait. On an H200 (plugins/nvidia/scripts/gemv_sweep.py, page
-docs/benchmarks/nvidia-h200-int4-gemv.md) it reads Llama-3.1-8B's gate/up weights at 0.61 of the byte
+scales and zeros issued before the wait. On an H200 (plugins/nvidia/scripts/gemv_sweep.py, pages
+docs/benchmarks/nvidia-h200-int4-gemv.md and nvidia-h200-int4-warps.md) it reads Llama-3.1-8B's gate/up weights at 0.61 of the byte
 floor (portable: 0.36) and the smaller ones at 0.25-0.45 (0.22-0.33), where a kernel's start and
 split-K finish weigh as much as its bytes. On other devices (the interpreter) the same sums
 run in float32 Triton (``ASM=False``), differing only by the fp16 roundings.
@@ -147,7 +147,7 @@ def _int4_pairs_kernel(
     squares, nw, res, eps, stride_nw, stride_rn,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
-    NORM: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, WARPS: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK_K // 8
     GATED: tl.constexpr = ACT != "none"
@@ -206,19 +206,21 @@ def _int4_pairs_kernel(
                          RESIDUAL, HAS_BIAS)
     else:
         finish_split(acc[None, :], out, partials, counters, bias, tl.arange(0, 1), rn, n_ok[None, :], 1, N, N,
-                     stride_b, tl.program_id(0), tl.program_id(1), split, SPLIT_K, HAS_BIAS)
+                     stride_b, tl.program_id(0), tl.program_id(1), split, SPLIT_K, HAS_BIAS, 32 * WARPS)
 
 
 def int4_gemv_config(n: int, k: int, group_size: int, compute_units: int) -> GemvConfig:
-    """Four columns a thread: 128 columns for one warp, 64 features a step; wide weights (n >= 16384, a
-    gated pair's) 512 columns for two warps and 32 features a step. Fewer features a step where the
-    group is smaller. K split until there are about eight programs per compute unit. On an H200 at
-    Llama-3.1-8B's shapes no tile of plugins/nvidia/scripts/gemv_sweep.py's 54 beat these by more than
-    the sweep's own run-to-run spread (gemv_sweep.txt beside docs/benchmarks/nvidia-h200-int4-gemv.md)."""
-    block_n, warps, block_k = (512, 2, 32) if n >= 16384 else (128, 1, 64)
+    """Four columns a thread, two warps a program: 256 columns and 64 features a step, K split until there
+    are about four programs per compute unit; wide weights (n >= 16384, a gated pair's) 512 columns and 32
+    features a step, about eight programs per unit. Fewer features a step where the group is smaller. On
+    an H200, Llama-3.1-8B at batch 1 decodes 426 -> 434 tok/s against one warp of 128 columns a program,
+    eight a unit (the split's finish now reading as many slices a load as 64 float32 a thread allows:
+    ``split_k.finish_split``); four or eight warps a program were slower, and no tile of
+    plugins/nvidia/scripts/gemv_sweep.py's 54 beats these alone (docs/benchmarks/nvidia-h200-int4-warps.md)."""
+    block_n, warps, block_k, per_unit = (512, 2, 32, 8) if n >= 16384 else (256, 2, 64, 4)
     block_k = next(b for b in (block_k, 32, 16, 8) if b <= block_k and group_size % b == 0)
     programs = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(8 * compute_units, programs)))
+    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(per_unit * compute_units, programs)))
     return GemvConfig(block_n, block_k, split, warps)
 
 
@@ -252,7 +254,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         return launch_int4_gemv(_int4_pairs_kernel, x, qweight, scales, zeros, group_size, bias, cfg,
                                 "int4_gemv (pairs)", ASM=asm, EVEN_N=n % cfg.block_n == 0, squares=row, nw=row,
                                 res=row, eps=0.0, stride_nw=0, stride_rn=0, NORM=False, ACT="none", RESIDUAL=False,
-                                CHUNK=1)
+                                CHUNK=1, WARPS=cfg.num_warps)
     if activation not in ACTIVATIONS or (activation is not None and (n % 2 or norm_weight is None)):
         raise ValueError(f"int4_gemv: activation {activation!r} with {n} outputs (one of {list(ACTIVATIONS)}, an "
                          "even width and a norm where gated)")
@@ -277,5 +279,5 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
         ASM=asm, EVEN_N=n_out % cfg.block_n == 0, NORM=norm_weight is not None, ACT=ACTIVATIONS[activation],
         RESIDUAL=residual is not None, CHUNK=min(16, max(2, 2048 // (cfg.block_n * (2 if gated else 1)))),
-        num_warps=cfg.num_warps, num_stages=1, **pdl_options(x.device))
+        WARPS=cfg.num_warps, num_warps=cfg.num_warps, num_stages=1, **pdl_options(x.device))
     return out.reshape(*x.shape[:-1], n_out)
