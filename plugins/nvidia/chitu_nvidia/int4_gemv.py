@@ -21,10 +21,11 @@ A program owns BLOCK_N columns and a slice of K; every operand of a step (words,
 and zeros, x: one [R, 8] load) is loaded a step ahead; split-K partial sums are added in a fixed order
 by the slice that finishes last (``split_k.finish_split``); dependent launch with the first words,
 scales and zeros issued before the wait. On an H200 (plugins/nvidia/scripts/gemv_sweep.py, pages
-docs/benchmarks/nvidia-h200-int4-gemv.md and nvidia-h200-int4-warps.md) it reads Llama-3.1-8B's gate/up weights at 0.61 of the byte
-floor (portable: 0.36) and the smaller ones at 0.25-0.45 (0.22-0.33), where a kernel's start and
-split-K finish weigh as much as its bytes. On other devices (the interpreter) the same sums
-run in float32 Triton (``ASM=False``), differing only by the fp16 roundings.
+docs/benchmarks/nvidia-h200-int4-gemv.md and nvidia-h200-int4-warps.md) it reads Llama-3.1-8B's gate/up
+weights at 0.61 of the byte floor (portable: 0.36) and the smaller ones at 0.26-0.45 (0.22-0.33), where a
+kernel's start and split-K finish weigh as much as its bytes (plugins/nvidia/scripts/bounds_check.py). On
+other devices (the interpreter) the same sums run in float32 Triton (``ASM=False``), differing only by the
+fp16 roundings.
 
 The decode-step fusions over 4-bit weights (contract 1.18) in the same kernel: with a norm, x and the norm's
 weight loaded as [R, 8] tiles and multiplied before the split into pairs (the squares of x kept by row, added
@@ -278,6 +279,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         norm_weight.stride(0) if norm_weight is not None else 0, res.stride(0),
         GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
         ASM=asm, EVEN_N=n_out % cfg.block_n == 0, NORM=norm_weight is not None, ACT=ACTIVATIONS[activation],
-        RESIDUAL=residual is not None, CHUNK=min(16, max(2, 2048 // (cfg.block_n * (2 if gated else 1)))),
+        RESIDUAL=residual is not None,
+        CHUNK=min(16, max(2, 64 * 32 * cfg.num_warps // (cfg.block_n * (2 if gated else 1)))),  # as finish_split's
         WARPS=cfg.num_warps, num_warps=cfg.num_warps, num_stages=1, **pdl_options(x.device))
     return out.reshape(*x.shape[:-1], n_out)
