@@ -7,6 +7,7 @@ suite imports the kernels under Triton's interpreter elsewhere."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -54,7 +55,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def facts():
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

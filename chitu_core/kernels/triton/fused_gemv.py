@@ -162,14 +162,15 @@ def _epilogue(y, up, ss, out, bias, res, rm, m_ok, rn, ru, n_ok, K, eps, stride_
 
 @triton.jit
 def finish_fused_row(acc, acc_u, ss, out, partials, squares, counters, bias, res, rn, ru, n_ok, N, K, eps, stride_b,
-                     stride_rn, tile, pid_s, split, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, NORM: tl.constexpr,
+                     stride_rn, tile, pid_s, split, SPLIT_K: tl.constexpr, THREADS: tl.constexpr, NORM: tl.constexpr,
                      ACT: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The fused epilogue (``_epilogue``) of a one-row kernel split along K. acc (and acc_u, the up half's,
     where gated): [BLOCK_N] float32 sums over this program's slice of K; ss: [1], its slice of x's sum of
     squares. Without SPLIT_K, finished at once; else stored in partials [split, N] ([split, 2N] gated,
     the up half after the gate's) and squares [tiles, split], then ``tile``'s counter bumped: the slice
-    arriving last adds every slice in a fixed order (CHUNK slices a load, each chunk as a tree), applies
-    the epilogue and zeroes the counter (``split_k.finish_split``'s protocol). out, res: rows of N."""
+    arriving last adds every slice in a fixed order (as many slices a load as ``split_k.finish_split`` reads
+    for the program's THREADS, both halves counted; each chunk as a tree), applies the epilogue and zeroes the
+    counter (``split_k.finish_split``'s protocol). out, res: rows of N."""
     rm = tl.arange(0, 1)
     if not SPLIT_K:
         _epilogue(acc[None, :], acc_u[None, :], ss, out, bias, res, rm, rm < 1, rn, ru, n_ok, K, eps, stride_b, 0,
@@ -184,6 +185,7 @@ def finish_fused_row(acc, acc_u, ss, out, partials, squares, counters, bias, res
         tl.debug_barrier()  # every thread's stores made before the counter moves
         done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
         if done == split - 1:
+            CHUNK: tl.constexpr = min(16, max(2, 64 * THREADS // (acc.shape[0] * (2 if ACT != "none" else 1))))
             rs = tl.arange(0, CHUNK)
             y = tl.zeros(acc.shape, dtype=tl.float32)
             up = y

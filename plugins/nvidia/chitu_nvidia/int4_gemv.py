@@ -148,7 +148,7 @@ def _int4_pairs_kernel(
     squares, nw, res, eps, stride_nw, stride_rn,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
-    NORM: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, WARPS: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, WARPS: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK_K // 8
     GATED: tl.constexpr = ACT != "none"
@@ -203,8 +203,8 @@ def _int4_pairs_kernel(
     if NORM or GATED or RESIDUAL:
         ss = tl.zeros((1,), dtype=tl.float32) + tl.sum(squares_r, axis=0)
         finish_fused_row(acc, acc_u, ss, out, partials, squares, counters, bias, res, rn, rn + N, n_ok, N, K, eps,
-                         stride_b, stride_rn, tl.program_id(0), tl.program_id(1), split, SPLIT_K, CHUNK, NORM, ACT,
-                         RESIDUAL, HAS_BIAS)
+                         stride_b, stride_rn, tl.program_id(0), tl.program_id(1), split, SPLIT_K, 32 * WARPS, NORM,
+                         ACT, RESIDUAL, HAS_BIAS)
     else:
         finish_split(acc[None, :], out, partials, counters, bias, tl.arange(0, 1), rn, n_ok[None, :], 1, N, N,
                      stride_b, tl.program_id(0), tl.program_id(1), split, SPLIT_K, HAS_BIAS, 32 * WARPS)
@@ -255,7 +255,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         return launch_int4_gemv(_int4_pairs_kernel, x, qweight, scales, zeros, group_size, bias, cfg,
                                 "int4_gemv (pairs)", ASM=asm, EVEN_N=n % cfg.block_n == 0, squares=row, nw=row,
                                 res=row, eps=0.0, stride_nw=0, stride_rn=0, NORM=False, ACT="none", RESIDUAL=False,
-                                CHUNK=1, WARPS=cfg.num_warps)
+                                WARPS=cfg.num_warps)
     if activation not in ACTIVATIONS or (activation is not None and (n % 2 or norm_weight is None)):
         raise ValueError(f"int4_gemv: activation {activation!r} with {n} outputs (one of {list(ACTIVATIONS)}, an "
                          "even width and a norm where gated)")
@@ -279,7 +279,5 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         norm_weight.stride(0) if norm_weight is not None else 0, res.stride(0),
         GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
         ASM=asm, EVEN_N=n_out % cfg.block_n == 0, NORM=norm_weight is not None, ACT=ACTIVATIONS[activation],
-        RESIDUAL=residual is not None,
-        CHUNK=min(16, max(2, 64 * 32 * cfg.num_warps // (cfg.block_n * (2 if gated else 1)))),  # as finish_split's
-        WARPS=cfg.num_warps, num_warps=cfg.num_warps, num_stages=1, **pdl_options(x.device))
+        RESIDUAL=residual is not None, WARPS=cfg.num_warps, num_warps=cfg.num_warps, num_stages=1, **pdl_options(x.device))
     return out.reshape(*x.shape[:-1], n_out)

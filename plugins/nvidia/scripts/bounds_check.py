@@ -26,9 +26,9 @@ from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.pdl import allow, gdc_enter, pdl_options
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gemv_sweep import copies  # noqa: E402
 from quant_kernels import DEV, SHAPES, operands, timed  # noqa: E402
 
-L2_BYTES = 120 << 20  # copies of a weight until the set is this large (H100/H200 L2: 50 MB)
 READ_TILES = ((8, 4), (4, 8), (2, 8), (1, 8))  # programs a unit, warps a program
 
 
@@ -54,16 +54,14 @@ def _empty(out, PDL: tl.constexpr):
     tl.store(out + tl.program_id(0), 1)
 
 
-def copies_for(nbytes: int) -> int:
-    return max(2, -(-L2_BYTES // nbytes))
-
-
 def read_us(nbytes: int, hot: bool, per_unit: int, warps: int, units: int) -> float:
     """Microseconds a read of about nbytes (rounded up to whole steps of every program) takes."""
     programs, block = per_unit * units, 256 * warps
     n_per = -(-nbytes // 4 // programs // (4 * block)) * 4 * block
-    count = 1 if hot else copies_for(nbytes)
-    bufs = [torch.zeros(programs * n_per, dtype=torch.int32, device=DEV) for _ in range(count)]
+    def new(_):
+        return torch.zeros(programs * n_per, dtype=torch.int32, device=DEV)
+
+    bufs = [new(0)] if hot else copies(new, nbytes)
     out = torch.empty(programs, dtype=torch.int32, device=DEV)
     calls = bufs * 4 if hot else bufs
 
@@ -89,7 +87,7 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
         args, nbytes = operands("int4_linear", n, k, "g128")
-        sets = [args] + [operands("int4_linear", n, k, "g128")[0] for _ in range(copies_for(nbytes) - 1)]
+        sets = copies(lambda i: operands("int4_linear", n, k, "g128")[0] if i else args, nbytes)
         floor = nbytes / bw * 1e6
         rotated = timed(lambda: [int4_gemv(x, *a[:4], None) for a in sets], repeats=7, calls=1) / len(sets)
         hot = timed(lambda: [int4_gemv(x, *args[:4], None) for _ in range(8)], repeats=7, calls=1) / 8
