@@ -176,6 +176,7 @@ def test_configs_are_the_measured_tiles():
 def test_the_nvidia_ops_send_one_row_of_16_bit_x_to_the_pair_kernels(monkeypatch):
     calls = []
     ops.nvidia_ops()  # binds the kernels (no CUDA here: the FP8 op is not registered, but the function is whole)
+    monkeypatch.setattr(ops, "INT4_DIGITS", False)  # CHITU_INT4_DIGITS=0 (the digit kernel: test_nvidia_int4_digits)
     monkeypatch.setitem(ops._pairs, "int4_gemv", lambda *a, **k: calls.append("int4") or torch.zeros(1, a[1].shape[1]))
     monkeypatch.setitem(ops._pairs, "fp8_gemv", lambda *a, **k: calls.append("fp8") or torch.zeros(1, a[1].shape[0]))
     x, qweight, scales, zeros = int4_operands(256, 64, 128, torch.float16)

@@ -10,9 +10,10 @@ take the fused matrix-vector kernel at batch 1 for weights of up to ``MAX_FUSED_
 ``mla_inputs`` (contract 1.10) is the portable Triton
 kernel, served here rather than by every Triton backend: its per-head matrix-vector products suit decode
 steps (``fusion_max_tokens``), not a prefill's thousands of tokens. One row of 16-bit x through
-``int4_linear``, or through ``fp8_linear`` with unquantized activations, takes this plugin's
-matrix-vector kernels with their products in fp16 pairs (``int4_gemv``, ``fp8_gemv``: PTX); with
-CHITU_INT4_FUSIONS=1 (``INT4_FUSIONS``) so do the 4-bit weights' fusions of contract 1.18
+``int4_linear`` takes this plugin's matrix-vector kernel with x as 8-bit digits and its products in integer
+dot products (``int4_digits_gemv``: PTX); through ``fp8_linear`` with unquantized activations, the one with
+its products in fp16 pairs (``fp8_gemv``), as int4's fp16-pair one (``int4_gemv``) where
+CHITU_INT4_DIGITS=0; with CHITU_INT4_FUSIONS=1 (``INT4_FUSIONS``) so do the 4-bit weights' fusions of contract 1.18
 (``int4_rms_norm_linear``, ``int4_linear_add``), in that kernel's prologue and epilogue. Before
 Ada/Hopper (compute capability 8.9) there are no FP8 types, so the FP8 linears and experts decode the
 bytes in registers. Sampling filters and penalties stay reference fallbacks until on-device sampling
@@ -70,6 +71,11 @@ leaves them to the reference, so the layers keep their unfused path. On an H200 
 fast or faster (Llama-3.1-8B's qkv 9.1 against 11.1 us, gate/up 26.3 against 27.0), but batch-1 decode is not:
 414.4 tok/s with them, 416.9 without (docs/benchmarks/nvidia-h200-int4-fusions.md): under dependent launch the
 norm kernels they replace overlap their neighbours. CHITU_INT4_FUSIONS=1 serves them (to compare)."""
+INT4_DIGITS = os.environ.get("CHITU_INT4_DIGITS", "1") != "0"
+"""One row through int4_linear takes ``int4_digits_gemv`` (x as two 8-bit digits a feature, dp4a products);
+CHITU_INT4_DIGITS=0 gives it to ``int4_gemv`` (fp16 pairs; to compare). On an H200, Llama-3.1-8B int4 batch 1
+decodes about 4% faster (docs/benchmarks/nvidia-h200-int4-digits.md). The fusions of contract 1.18 stay on
+``int4_gemv``."""
 FP8_CAPABILITY = (8, 9)
 """Compute capability from which the GPU has FP8 types (Ada, Hopper and newer): Triton reads float8_e4m3fn
 and PTX converts e4m3 pairs to fp16 pairs in one instruction."""
@@ -124,11 +130,12 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """int4_linear: one row of bfloat16 or float16 x on ``int4_gemv``, else the portable kernel."""
+    """int4_linear: one row of bfloat16 or float16 x on ``int4_digits_gemv`` (``int4_gemv`` where
+    CHITU_INT4_DIGITS=0), else the portable kernel."""
     if not _int4_pairs_take(x, qweight):
         return _pairs["int4_linear"](x, qweight, scales, zeros, group_size, bias)
     _pairs["int4_check"](x, qweight, scales, zeros, group_size)
-    return _pairs["int4_gemv"](x, qweight, scales, zeros, group_size, bias)
+    return _pairs["int4_digits" if INT4_DIGITS else "int4_gemv"](x, qweight, scales, zeros, group_size, bias)
 
 
 def _int4_pairs_take(x: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -230,12 +237,14 @@ def nvidia_ops() -> dict[str, Callable]:
     from chitu_core.kernels.triton.rms_norm import rms_norm
     from chitu_core.kernels.triton.splitk_gemv import splitk_gemv
     from chitu_nvidia.fp8_gemv import fits, fp8_gemv
+    from chitu_nvidia.int4_digits import int4_digits_gemv
     from chitu_nvidia.int4_gemv import int4_gemv
 
     _dense_gemv = dense_gemv
     _splitk_gemv = splitk_gemv
-    _pairs.update(int4_gemv=int4_gemv, int4_linear=portable_int4.int4_linear, int4_check=portable_int4.check_operands,
-                  fp8_gemv=fp8_gemv, fp8_fits=fits, fp8_linear=portable_fp8.fp8_linear,
+    _pairs.update(int4_gemv=int4_gemv, int4_digits=int4_digits_gemv, int4_linear=portable_int4.int4_linear,
+                  int4_check=portable_int4.check_operands, fp8_gemv=fp8_gemv, fp8_fits=fits,
+                  fp8_linear=portable_fp8.fp8_linear,
                   fp8_check=portable_fp8.check_operands)
     _fused_gemv, _MAX_ROWS = (fused_gemv if MAX_FUSED_N > 0 else None), MAX_ROWS
     _unfused.update(rms_norm=rms_norm, silu_and_mul=silu_and_mul, gelu_and_mul=gelu_and_mul)

@@ -1,15 +1,16 @@
 """Batch-1 (M = 1) sweep of the quantized matrix-vector kernels at Llama-3.1-8B's shapes: int4's portable
-one (``kernels/triton/gemv.py``, kind ``portable``) and the NVIDIA plugin's fp16-pair one
-(``chitu_nvidia.int4_gemv``, kind ``pairs``), and the plugin's FP8 block one (``chitu_nvidia.fp8_gemv``,
-kind ``fp8``, beside ``quant_matmul``'s tiles), each beside its default path and a bf16 cuBLAS matmul,
-against the byte floor of its shape.
+one (``kernels/triton/gemv.py``, kind ``portable``), the NVIDIA plugin's fp16-pair one
+(``chitu_nvidia.int4_gemv``, kind ``pairs``) and 8-bit digit one (``chitu_nvidia.int4_digits``, kind
+``digits``), and the plugin's FP8 block one (``chitu_nvidia.fp8_gemv``, kind ``fp8``, beside
+``quant_matmul``'s tiles), each beside its default path and a bf16 cuBLAS matmul, against the byte floor of
+its shape.
 
 Weights are rotated through enough copies to exceed the L2 cache (a decode step reads every weight
 once, from memory), the calls replayed from a CUDA graph (``quant_kernels.timed``). For each shape and
 kind: the fastest config, its time, share of the floor, and its error against the float64 reference;
 also whether two calls give the same bits (the split-K order is fixed). A table last.
 
-    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/gemv_sweep.py [portable] [pairs] [fp8] [fused]
+    PYTHONPATH=~/chitu:~/site python3 plugins/nvidia/scripts/gemv_sweep.py [portable] [pairs] [digits] [fp8] [fused]
 
 (every kind when none is named; ``fused``: contract 1.18's fusions at each product, fused and not).
 """
@@ -25,6 +26,7 @@ from chitu_core.kernels.triton.gemv import int4_gemv as int4_gemv_portable
 from chitu_core.kernels.triton.int4_linear import int4_linear
 from chitu_core.kernels.triton.fp8_linear import fp8_linear
 from chitu_nvidia.fp8_gemv import fp8_gemv, fp8_gemv_config
+from chitu_nvidia.int4_digits import int4_digits_config, int4_digits_gemv
 from chitu_nvidia.int4_gemv import int4_gemv, int4_gemv_config
 from chitu_core.ops import quant_reference as ref
 from chitu_core.ops import reference
@@ -85,6 +87,14 @@ def pairs_configs(n: int, units: int):
     return out
 
 
+def digits_configs(n: int, units: int):
+    out = []
+    for bn, bk, per_unit, warps in itertools.product((256, 512), (32, 64), (2, 4, 8), (2, 4)):
+        split = max(1, -(-per_unit * units // -(-n // bn)))
+        out.append(GemvConfig(bn, bk, split, warps))
+    return out
+
+
 def fp8_configs(n: int, units: int):
     out = []
     for bn, warps, per_unit in itertools.product((32, 64, 128), (2, 4, 8), (2, 4, 8)):
@@ -108,6 +118,12 @@ def int4_rows(sname, x, n, k, kinds, units, bw):
     rows.append((sname, "int4 pairs default", str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}",
                  f"{nmse(int4_gemv(x, *args), want):.1e}", ""))
     tried = []
+    if "digits" in kinds:
+        cfg = int4_digits_config(n, k, 128, units)
+        us = timed_rotated(lambda *a: int4_digits_gemv(x, *a, cfg), sets)
+        rows.append((sname, "int4 digits default", str(cfg), f"{us:.1f}", f"{wbytes / bw * 1e6 / us:.2f}",
+                     f"{nmse(int4_digits_gemv(x, *args), want):.1e}", ""))
+        tried.append(("int4 digits gemv", int4_digits_gemv, digits_configs(n, units)))
     if "portable" in kinds:
         tried.append(("int4 portable gemv", int4_gemv_portable, int4_configs(n, units)))
     if "pairs" in kinds:
@@ -187,7 +203,7 @@ def fp8_rows(sname, x, n, k, units, bw):
 
 
 def main() -> int:
-    kinds = sys.argv[1:] or ["portable", "pairs", "fp8", "fused"]
+    kinds = sys.argv[1:] or ["portable", "pairs", "digits", "fp8", "fused"]
     bw = copy_bandwidth(DEV, torch.cuda.synchronize)
     units = torch.cuda.get_device_properties(DEV).multi_processor_count
     print(f"device {torch.cuda.get_device_name()}, {units} units, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -198,7 +214,7 @@ def main() -> int:
         us16 = timed(rotated(lambda w: x @ w.T, w16)[0], repeats=7, calls=1) / len(w16)
         rows.append((sname, "bf16 cuBLAS", "", f"{us16:.1f}", f"{n * k * 2 / bw * 1e6 / us16:.2f}", "", ""))
         del w16
-        if "portable" in kinds or "pairs" in kinds:
+        if "portable" in kinds or "pairs" in kinds or "digits" in kinds:
             rows += int4_rows(sname, x, n, k, kinds, units, bw)
         if "fp8" in kinds:
             rows += fp8_rows(sname, x, n, k, units, bw)
