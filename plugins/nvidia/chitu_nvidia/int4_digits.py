@@ -1,7 +1,7 @@
 """int4_linear for one row of 16-bit x on NVIDIA GPUs, its products in 8-bit integer dot products (``dp4a``).
 
-Each program first writes its slice of x, a step (BLOCK_K features) at a time, as two signed 8-bit digits a
-feature: with u = max |x| over the step / (127 * 254), x = u (254 h + l) + e, h and l in [-127, 127] and
+Each program first writes its slice of x, by steps of BLOCK_K features, as two signed 8-bit digits a feature:
+with u = max |x| over the step / (127 * 254), x = u (254 h + l) + e, h and l in [-127, 127] and
 |e| <= u / 2 (about 2^-16 of the step's largest feature, finer than fp16's 2^-11 of each feature). The digits
 of four features go in one word, as the nibbles sit in a packed weight word (features 8i + 0, 2, 4, 6 and
 8i + 1, 3, 5, 7), so a word's eight weights meet them in seven instructions: two masks and a shift lay the
@@ -9,7 +9,7 @@ nibbles into bytes, four ``dp4a.u32.s32`` add the exact integer products of each
 sum over a column is then u (254 H + L), less the zero point's z sum x, times the group's scale, in float32.
 
 The digits are computed once a program, spread over its threads, into a scratch of its own (global memory
-the program reads back after a barrier, from L1): each thread would otherwise repeat them for every step. An
+the program reads back after a barrier): each thread would otherwise repeat them for every step. An
 sm_90 build's loop takes about 13 instructions a word where the fp16-pair kernel's (``int4_gemv``) takes 28,
 yet on an H200 the kernel alone is only 3-6% faster at Llama-3.1-8B's shapes, with its weights in L2 or not
 (``plugins/nvidia/scripts/gemv_sweep.py digits``): a batch-1 product of a few programs' steps each is bound

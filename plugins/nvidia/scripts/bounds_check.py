@@ -4,9 +4,10 @@ back to back from a CUDA graph (``quant_kernels.timed``), dependent launch as th
 
 * an empty kernel (the dependent-launch wait and one store a program) at 1, 1, 4 and 8 programs per compute
   unit: what a launch costs before any byte moves, by grid size;
-* the NVIDIA int4 kernel (``chitu_nvidia.int4_gemv``, the backend's tiles) with its weights rotated through
-  enough copies to exceed the L2 cache (as a decode step reads them) and with one weight every call
-  (L2-hot): how much of its time is the weight stream;
+* the NVIDIA int4 kernels (``chitu_nvidia.int4_digits``, the backend's, and ``chitu_nvidia.int4_gemv``, the
+  fp16 pairs; their default tiles) with their weights rotated through enough copies to exceed the L2 cache
+  (as a decode step reads them) and with one weight every call (L2-hot): how much of their time is the
+  weight stream;
 * a plain read of the same number of bytes (1, 2, 4 or 8 programs a unit, 4 loads in flight a thread),
   rotated and L2-hot: what any kernel of that size can do.
 
@@ -72,6 +73,7 @@ def read_us(nbytes: int, hot: bool, per_unit: int, warps: int, units: int) -> fl
 
 
 def main() -> None:
+    from chitu_nvidia.int4_digits import int4_digits_gemv
     from chitu_nvidia.int4_gemv import int4_gemv
 
     allow()  # as the NVIDIA backend does when its ops are resolved
@@ -89,15 +91,17 @@ def main() -> None:
         args, nbytes = operands("int4_linear", n, k, "g128")
         sets = copies(lambda i: operands("int4_linear", n, k, "g128")[0] if i else args, nbytes)
         floor = nbytes / bw * 1e6
-        rotated = timed(lambda: [int4_gemv(x, *a[:4], None) for a in sets], repeats=7, calls=1) / len(sets)
-        hot = timed(lambda: [int4_gemv(x, *args[:4], None) for _ in range(8)], repeats=7, calls=1) / 8
-        rows.append((f"{name} int4 kernel", f"{floor:.2f}", f"{rotated:.2f}", f"{hot:.2f}", f"{floor / rotated:.2f}"))
+        for kname, kernel in (("digits", int4_digits_gemv), ("pairs", int4_gemv)):
+            rotated = timed(lambda: [kernel(x, *a[:4], None) for a in sets], repeats=7, calls=1) / len(sets)
+            hot = timed(lambda: [kernel(x, *args[:4], None) for _ in range(8)], repeats=7, calls=1) / 8
+            rows.append((f"{name} int4 {kname} kernel", f"{floor:.2f}", f"{rotated:.2f}", f"{hot:.2f}",
+                         f"{floor / rotated:.2f}"))
         for per_unit, warps in READ_TILES:
             rotated = read_us(nbytes, False, per_unit, warps, units)
             hot = read_us(nbytes, True, per_unit, warps, units)
             rows.append((f"{name} plain read, {per_unit} a unit x {warps} warps", f"{floor:.2f}", f"{rotated:.2f}",
                          f"{hot:.2f}", f"{floor / rotated:.2f}"))
-        print(rows[-len(READ_TILES) - 1:], flush=True)
+        print(rows[-len(READ_TILES) - 2:], flush=True)
     print("| what | floor us | us | L2-hot us | of floor |")
     print("|---|---|---|---|---|")
     for r in rows:
