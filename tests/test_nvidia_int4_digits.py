@@ -13,10 +13,9 @@ from chitu_core.ops import quant_reference
 
 with interpreter():
     from chitu_core.kernels.triton.gemv import GemvConfig
-    from chitu_core.kernels.triton.split_k import split_counters
     from chitu_nvidia import int4_digits as digits
     from chitu_nvidia import ops
-    from test_nvidia_pairs_gemv import BOUND, int4_operands, nmse
+    from test_nvidia_pairs_gemv import BOUND, check_int4_kernel, int4_operands, nmse
 
 
 @pytest.fixture(autouse=True)
@@ -38,13 +37,7 @@ CASES = [  # k, n, group, config (None: the default), dtype, bias
 @pytest.mark.parametrize("k,n,group,config,dtype,bias", CASES,
                          ids=[f"K{c[0]}-N{c[1]}-g{c[2]}-{c[3]}-{c[4]}-bias{c[5]}" for c in CASES])
 def test_int4_digits_match_the_reference(k, n, group, config, dtype, bias):
-    x, qweight, scales, zeros = int4_operands(k, n, group, dtype)
-    b = torch.randn(n).to(dtype) if bias else None
-    got = digits.int4_digits_gemv(x, qweight, scales, zeros, group, b, config)
-    want = quant_reference.int4_linear(x.double(), qweight, scales, zeros, group, None if b is None else b.double())
-    assert got.dtype == dtype and got.shape == (1, n)
-    assert nmse(got, want) < BOUND[dtype]
-    assert split_counters(x.device).count_nonzero() == 0
+    check_int4_kernel(digits.int4_digits_gemv, k, n, group, config, dtype, bias)
 
 
 def test_int4_digits_read_strided_x_zero_steps_and_outliers():

@@ -42,25 +42,31 @@ def int4_operands(k: int, n: int, group: int, dtype: torch.dtype, seed: int = 0)
     return torch.randn(1, k, generator=gen).to(dtype), qweight, scales, zeros
 
 
-INT4_CASES = [  # k, n, group, config (None: the default), dtype
-    (256, 64, 128, GemvConfig(32, 32, 1, 1), torch.float16),
-    (512, 96, 128, GemvConfig(64, 32, 4, 2), torch.float16),   # split-K, N ragged at the block
-    (1024, 40, 32, GemvConfig(16, 16, 3, 1), torch.bfloat16),  # groups of 32, three uneven slices
-    (768, 72, 128, GemvConfig(64, 64, 5, 2), torch.bfloat16),  # 64-feature steps (the default), uneven slices
-    (256, 48, 8, None, torch.float16),                         # groups of 8: one packed row a step
-    (512, 512, 64, None, torch.bfloat16),                      # the default tiles
-    (512, 1024, 32, GemvConfig(512, 32, 3, 2), torch.float16),  # wide weights' tiles, uneven slices
-    (2560, 64, 128, GemvConfig(64, 32, 40, 2), torch.bfloat16),  # 40 slices: finished 16, 16 and 8 a load
+INT4_CASES = [  # k, n, group, config (None: the default), dtype, bias (int4_linear takes the digit kernel now:
+    # this one serves CHITU_INT4_DIGITS=0 and the fusions, so each path once, with or without a bias)
+    (256, 64, 128, GemvConfig(32, 32, 1, 1), torch.float16, False),
+    (512, 96, 128, GemvConfig(64, 32, 4, 2), torch.float16, True),   # split-K, N ragged at the block
+    (1024, 40, 32, GemvConfig(16, 16, 3, 1), torch.bfloat16, False),  # groups of 32, three uneven slices
+    (768, 72, 128, GemvConfig(64, 64, 5, 2), torch.bfloat16, True),  # 64-feature steps, uneven slices
+    (256, 48, 8, None, torch.float16, True),                         # groups of 8: one packed row a step
+    (512, 512, 64, None, torch.bfloat16, False),                     # the default tiles
+    (512, 1024, 32, GemvConfig(512, 32, 3, 2), torch.float16, True),  # wide weights' tiles, uneven slices
+    (2560, 64, 128, GemvConfig(64, 32, 40, 2), torch.bfloat16, False),  # 40 slices: finished 16, 16 and 8 a load
 ]
 
 
-@pytest.mark.parametrize("k,n,group,config,dtype", INT4_CASES,
-                         ids=[f"K{c[0]}-N{c[1]}-g{c[2]}-{c[3]}-{c[4]}" for c in INT4_CASES])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("k,n,group,config,dtype,bias", INT4_CASES,
+                         ids=[f"K{c[0]}-N{c[1]}-g{c[2]}-{c[3]}-{c[4]}-bias{c[5]}" for c in INT4_CASES])
 def test_int4_pairs_match_the_reference(k, n, group, config, dtype, bias):
+    check_int4_kernel(int4.int4_gemv, k, n, group, config, dtype, bias)
+
+
+def check_int4_kernel(kernel, k: int, n: int, group: int, config, dtype: torch.dtype, bias: bool) -> None:
+    """One row of ``int4_operands`` through kernel(x, qweight, scales, zeros, group, bias, config) against the
+    float64 reference: dtype and shape, NMSE under ``BOUND``, the split counters left at zero."""
     x, qweight, scales, zeros = int4_operands(k, n, group, dtype)
     b = torch.randn(n).to(dtype) if bias else None
-    got = int4.int4_gemv(x, qweight, scales, zeros, group, b, config)
+    got = kernel(x, qweight, scales, zeros, group, b, config)
     want = quant_reference.int4_linear(x.double(), qweight, scales, zeros, group, None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (1, n)
     assert nmse(got, want) < BOUND[dtype]
