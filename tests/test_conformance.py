@@ -268,11 +268,27 @@ def _vendor_copy(tmp: Path, name: str, plant: dict[str, list[tuple[str, str]]]) 
 
 def conformance(cwd: Path, *args: str, paths: tuple[Path, ...] = ()) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `python -m chitu_core.conformance ARGS` with ``paths`` on PYTHONPATH."""
+    return finish(start(cwd, *args, paths=paths))
+
+
+def start(cwd: Path, *args: str, paths: tuple[Path, ...] = (), threads: int | None = None) -> subprocess.Popen:
+    """`python -m chitu_core.conformance ARGS` started (``threads``: its OMP_NUM_THREADS)."""
     env = {k: v for k, v in os.environ.items() if k != "CHITU_PLUGINS"}
     env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
-    proc = subprocess.run([sys.executable, "-m", "chitu_core.conformance", "--quiet", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stdout, proc.stderr
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return subprocess.Popen([sys.executable, "-m", "chitu_core.conformance", "--quiet", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a ``start``ed run, within 300 s."""
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, out, err
 
 
 def matrix_rows(markdown: str) -> dict[str, list[str]]:
@@ -286,8 +302,18 @@ def outside(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cwd")
 
 
-def test_cpu_backend_passes_the_whole_suite(outside):
-    code, out, err = conformance(outside, "--backend", "cpu", "--format", "json", "--output", str(outside / "cpu.json"))
+@pytest.fixture(scope="module")
+def whole_suite(outside, acme) -> dict[str, tuple[int, str, str]]:
+    """The two whole-suite runs, the CPU backend's and the example vendor plugin's, side by side on one core
+    each: the module's longest waits (on a 2-core machine about 70 s together, 103 one after the other)."""
+    runs = {"cpu": start(outside, "--backend", "cpu", "--format", "json", "--output", str(outside / "cpu.json"),
+                         threads=1),
+            "acme": start(outside, "--backend", "acme", paths=(acme,), threads=1)}
+    return {name: finish(proc) for name, proc in runs.items()}
+
+
+def test_cpu_backend_passes_the_whole_suite(outside, whole_suite):
+    code, out, err = whole_suite["cpu"]
     assert code == 0, out + err
     report = json.loads((outside / "cpu.json").read_text())
     env, cases = report["environment"], report["cases"]
@@ -357,8 +383,8 @@ def acme(tmp_path_factory) -> Path:
     return _vendor_copy(tmp_path_factory.mktemp("acme"), "acme", {})
 
 
-def test_example_vendor_plugin_passes_with_fallbacks_and_declarations(outside, acme):
-    code, out, err = conformance(outside, "--backend", "acme", paths=(acme,))
+def test_example_vendor_plugin_passes_with_fallbacks_and_declarations(whole_suite):
+    code, out, err = whole_suite["acme"]
     assert code == 0, out + err
     assert out.startswith("# Conformance: backend `acme` (acme-chitu-backend 0.1.0)\n")
     rows = matrix_rows(out)
