@@ -15,7 +15,7 @@ with interpreter():
     from chitu_core.kernels.triton.gemv import GemvConfig
     from chitu_nvidia import int4_digits as digits
     from chitu_nvidia import ops
-    from test_nvidia_pairs_gemv import BOUND, check_int4_kernel, int4_operands, nmse
+    from test_nvidia_pairs_gemv import BOUND, INT4_CASES, check_int4_kernel, int4_operands, nmse
 
 
 @pytest.fixture(autouse=True)
@@ -24,18 +24,8 @@ def _interpret():
         yield
 
 
-CASES = [  # k, n, group, config (None: the default), dtype, bias
-    (256, 64, 128, GemvConfig(32, 32, 1, 1), torch.float16, False),   # no split
-    (512, 96, 128, GemvConfig(64, 32, 4, 2), torch.float16, True),    # split-K, N ragged at the block
-    (768, 72, 128, GemvConfig(64, 64, 5, 2), torch.bfloat16, True),   # uneven slices: fewer steps than STEPS
-    (256, 48, 8, None, torch.float16, False),                         # groups of 8: one packed row a step
-    (512, 512, 64, None, torch.bfloat16, True),                       # the default tiles
-    (2560, 64, 128, GemvConfig(64, 32, 40, 2), torch.bfloat16, False),  # 40 slices
-]
-
-
-@pytest.mark.parametrize("k,n,group,config,dtype,bias", CASES,
-                         ids=[f"K{c[0]}-N{c[1]}-g{c[2]}-{c[3]}-{c[4]}-bias{c[5]}" for c in CASES])
+@pytest.mark.parametrize("k,n,group,config,dtype,bias", INT4_CASES,
+                         ids=[f"K{c[0]}-N{c[1]}-g{c[2]}-{c[3]}-{c[4]}-bias{c[5]}" for c in INT4_CASES])
 def test_int4_digits_match_the_reference(k, n, group, config, dtype, bias):
     check_int4_kernel(digits.int4_digits_gemv, k, n, group, config, dtype, bias)
 

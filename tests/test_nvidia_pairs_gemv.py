@@ -42,8 +42,8 @@ def int4_operands(k: int, n: int, group: int, dtype: torch.dtype, seed: int = 0)
     return torch.randn(1, k, generator=gen).to(dtype), qweight, scales, zeros
 
 
-INT4_CASES = [  # k, n, group, config (None: the default), dtype, bias (int4_linear takes the digit kernel now:
-    # this one serves CHITU_INT4_DIGITS=0 and the fusions, so each path once, with or without a bias)
+INT4_CASES = [  # k, n, group, config (None: the default tiles), dtype, bias: each launcher path once, for this
+    # kernel and the digit one (test_nvidia_int4_digits)
     (256, 64, 128, GemvConfig(32, 32, 1, 1), torch.float16, False),
     (512, 96, 128, GemvConfig(64, 32, 4, 2), torch.float16, True),   # split-K, N ragged at the block
     (1024, 40, 32, GemvConfig(16, 16, 3, 1), torch.bfloat16, False),  # groups of 32, three uneven slices

@@ -14,6 +14,7 @@ adds every slice's float32 partial sums in a fixed order (deterministic), with t
 wait.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import triton.language as tl
 
 from chitu_core.kernels.triton.common import num_compute_units
 from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
-from chitu_core.kernels.triton.split_k import finish_split, row_slice, row_split
+from chitu_core.kernels.triton.split_k import RowSplit, finish_split, row_slice, row_split
 
 
 @dataclass(frozen=True)
@@ -127,15 +128,18 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 
 def launch_int4_gemv(kernel, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bias: torch.Tensor | None, cfg: GemvConfig, what: str,
-                     **extra) -> torch.Tensor:
+                     scratch: Callable[[RowSplit], dict] | None = None, **extra) -> torch.Tensor:
     """Launch a one-row int4 kernel that takes ``_int4_gemv_kernel``'s arguments (and ``extra`` ones, by
-    name, beside them) over ``cfg``'s column blocks and slices of K; the result as ``int4_gemv`` returns it."""
+    name, beside them, with those ``scratch`` makes for the split, such as buffers sized by it) over
+    ``cfg``'s column blocks and slices of K; the result as ``int4_gemv`` returns it."""
     k, n = x.shape[-1], qweight.shape[1]
     if group_size % cfg.block_k or cfg.block_k % 8:
         raise ValueError(f"{what}: block_k {cfg.block_k} must be a multiple of 8 dividing group size {group_size}")
     row = x.reshape(k)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     plan = row_split(k, n, cfg.block_k, cfg.block_n, cfg.split_k, out, what)
+    if scratch is not None:
+        extra.update(scratch(plan))
     b = bias if bias is not None else out
     kernel[(plan.blocks, plan.split)](
         out, plan.partials, plan.counters, row, qweight, scales, zeros, b, n, k, plan.k_per_split, plan.split,

@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 
 from chitu_core.kernels.triton.common import num_compute_units, pow2
-from chitu_core.kernels.triton.gemv import GemvConfig
-from chitu_core.kernels.triton.pdl import gdc_enter, pdl_options
-from chitu_core.kernels.triton.split_k import finish_split, row_slice, row_split
+from chitu_core.kernels.triton.gemv import GemvConfig, launch_int4_gemv
+from chitu_core.kernels.triton.pdl import gdc_enter
+from chitu_core.kernels.triton.split_k import RowSplit, finish_split, row_slice
+from chitu_nvidia.int4_gemv import step_operands
 
 LOW = tl.constexpr(254)
 """The high digit's unit over the low digit's: both digits of a feature then lie in [-127, 127]."""
@@ -121,10 +122,7 @@ def _int4_digits_kernel(
     w_cols = qweight + rn[None, :] * stride_qn
     g_s, g_z = scales + rn * stride_sn, zeros + rn * stride_zn
     last = k_hi // 8 - R  # the slice's last tile: a prefetch past it loads that tile again, unmasked
-    row = k_lo // 8
-    nxt = tl.load(w_cols + (row + ri).to(tl.int64)[:, None] * stride_qk, mask=n_ok[None, :])
-    ns = tl.load(g_s + (row * 8 // GROUP) * stride_sg, mask=n_ok)
-    nz = tl.load(g_z + (row * 8 // GROUP) * stride_zg, mask=n_ok)
+    nxt, ns, nz = step_operands(w_cols, g_s, g_z, k_lo // 8, ri, n_ok, stride_qk, stride_sg, stride_zg, GROUP)
     program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     words += program.to(tl.int64) * (STEPS * R * 4)
     units += program.to(tl.int64) * (STEPS * 2)
@@ -136,10 +134,8 @@ def _int4_digits_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w, s, z = nxt, ns, nz
         c_he, c_ho, c_le, c_lo, c_unit, c_sx = he, ho, le, lo, unit, sx
-        row = tl.minimum(k0 // 8 + R, last)
-        nxt = tl.load(w_cols + (row + ri).to(tl.int64)[:, None] * stride_qk, mask=n_ok[None, :])
-        ns = tl.load(g_s + (row * 8 // GROUP) * stride_sg, mask=n_ok)
-        nz = tl.load(g_z + (row * 8 // GROUP) * stride_zg, mask=n_ok)
+        nxt, ns, nz = step_operands(w_cols, g_s, g_z, tl.minimum(k0 // 8 + R, last), ri, n_ok, stride_qk, stride_sg,
+                                    stride_zg, GROUP)
         he, ho, le, lo, unit, sx = _digits(words, units, tl.minimum((k0 - k_lo) // BLOCK_K + 1, STEPS - 1), ri, R)
         hs, ls = _word(w, c_he[:, None], c_ho[:, None], c_le[:, None], c_lo[:, None], ASM)
         dot = (tl.sum(hs, axis=0) * LOW + tl.sum(ls, axis=0)).to(tl.float32) * c_unit
@@ -168,23 +164,13 @@ def int4_digits_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     them (checked by the caller). ``asm``: the PTX products (default: where x is on a CUDA device), else the
     same integer sums in plain Triton."""
     k, n = x.shape[-1], qweight.shape[1]
-    asm = x.device.type == "cuda" if asm is None else asm
     cfg = config or int4_digits_config(n, k, group_size, num_compute_units(x.device))
-    if group_size % cfg.block_k or cfg.block_k % 8:
-        raise ValueError(f"int4_digits_gemv: block_k {cfg.block_k} must be a multiple of 8 dividing group size "
-                         f"{group_size}")
-    row = x.reshape(k)
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
-    plan = row_split(k, n, cfg.block_k, cfg.block_n, cfg.split_k, out, "int4_digits_gemv")
-    steps = pow2(plan.k_per_split // cfg.block_k)
-    programs = plan.blocks * plan.split
-    words = torch.empty(programs * steps * cfg.block_k // 2, dtype=torch.int32, device=x.device)
-    units = torch.empty(programs * steps * 2, dtype=torch.float32, device=x.device)
-    b = bias if bias is not None else out
-    _int4_digits_kernel[(plan.blocks, plan.split)](
-        out, plan.partials, plan.counters, row, qweight, scales, zeros, b, n, k, plan.k_per_split, plan.split,
-        row.stride(0), *qweight.stride(), *scales.stride(), *zeros.stride(), b.stride(0), words, units,
-        GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1,
-        HAS_BIAS=bias is not None, ASM=asm, EVEN_N=n % cfg.block_n == 0, STEPS=steps, WARPS=cfg.num_warps,
-        num_warps=cfg.num_warps, num_stages=1, **pdl_options(x.device))
-    return out.reshape(*x.shape[:-1], n)
+
+    def scratch(plan: RowSplit) -> dict:  # each program's digits of its slice of x, and their units and sums
+        steps, programs = pow2(plan.k_per_split // cfg.block_k), plan.blocks * plan.split
+        return {"words": torch.empty(programs * steps * cfg.block_k // 2, dtype=torch.int32, device=x.device),
+                "units": torch.empty(programs * steps * 2, dtype=torch.float32, device=x.device), "STEPS": steps}
+
+    return launch_int4_gemv(_int4_digits_kernel, x, qweight, scales, zeros, group_size, bias, cfg, "int4_digits_gemv",
+                            scratch, ASM=x.device.type == "cuda" if asm is None else asm, EVEN_N=n % cfg.block_n == 0,
+                            WARPS=cfg.num_warps)

@@ -107,7 +107,7 @@ def _dot8(w, x04, x15, x26, x37, ASM: tl.constexpr):
 
 
 @triton.jit
-def _operands(w_cols, g_s, g_z, row, ri, n_ok, stride_qk, stride_sg, stride_zg, GROUP: tl.constexpr):
+def step_operands(w_cols, g_s, g_z, row, ri, n_ok, stride_qk, stride_sg, stride_zg, GROUP: tl.constexpr):
     """A step's words (packed rows row + ri of the columns w_cols points at) and its group's scales and zeros."""
     w = tl.load(w_cols + (row + ri).to(tl.int64)[:, None] * stride_qk, mask=n_ok[None, :])
     group = row * 8 // GROUP
@@ -117,12 +117,12 @@ def _operands(w_cols, g_s, g_z, row, ri, n_ok, stride_qk, stride_sg, stride_zg, 
 @triton.jit
 def _halves(w_cols, g_s, g_z, row, ri, n_ok, u_off, u_s, u_z, stride_qk, stride_sg, stride_zg, GROUP: tl.constexpr,
             GATED: tl.constexpr):
-    """``_operands`` of a step for the program's columns and, where gated, for the up half's (u_off, u_s, u_z
+    """``step_operands`` of a step for the program's columns and, where gated, for the up half's (u_off, u_s, u_z
     past them; else the same ones again)."""
-    w, s, z = _operands(w_cols, g_s, g_z, row, ri, n_ok, stride_qk, stride_sg, stride_zg, GROUP)
+    w, s, z = step_operands(w_cols, g_s, g_z, row, ri, n_ok, stride_qk, stride_sg, stride_zg, GROUP)
     if GATED:
-        w_u, s_u, z_u = _operands(w_cols + u_off, g_s + u_s, g_z + u_z, row, ri, n_ok, stride_qk, stride_sg,
-                                  stride_zg, GROUP)
+        w_u, s_u, z_u = step_operands(w_cols + u_off, g_s + u_s, g_z + u_z, row, ri, n_ok, stride_qk, stride_sg,
+                                      stride_zg, GROUP)
     else:
         w_u, s_u, z_u = w, s, z
     return w, s, z, w_u, s_u, z_u
@@ -279,5 +279,6 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         norm_weight.stride(0) if norm_weight is not None else 0, res.stride(0),
         GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=plan.split > 1, HAS_BIAS=bias is not None,
         ASM=asm, EVEN_N=n_out % cfg.block_n == 0, NORM=norm_weight is not None, ACT=ACTIVATIONS[activation],
-        RESIDUAL=residual is not None, WARPS=cfg.num_warps, num_warps=cfg.num_warps, num_stages=1, **pdl_options(x.device))
+        RESIDUAL=residual is not None, WARPS=cfg.num_warps, num_warps=cfg.num_warps, num_stages=1,
+        **pdl_options(x.device))
     return out.reshape(*x.shape[:-1], n_out)

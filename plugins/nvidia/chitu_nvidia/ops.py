@@ -62,9 +62,9 @@ pay for the split's finish."""
 SPLITK_MAX_N = 32768
 """Widest weight ``splitk_gemv`` takes: a vocabulary head stays on cuBLAS."""
 PAIRS_GEMV = os.environ.get("CHITU_PAIRS_GEMV", "1") != "0"
-"""One row of 16-bit x through int4_linear, and through fp8_linear without activation quantization, takes
-``int4_gemv`` / ``fp8_gemv`` (products in fp16 pairs, PTX); CHITU_PAIRS_GEMV=0 leaves them to the portable
-Triton kernels (to compare)."""
+"""One row of 16-bit x through int4_linear, and through fp8_linear without activation quantization, takes this
+plugin's matrix-vector kernels (PTX: int4's per ``INT4_DIGITS``, ``fp8_gemv``); CHITU_PAIRS_GEMV=0 leaves them
+to the portable Triton kernels (to compare)."""
 INT4_FUSIONS = os.environ.get("CHITU_INT4_FUSIONS", "0") == "1"
 """Whether this backend serves the 4-bit weights' fusions of contract 1.18 (on ``int4_gemv``); by default it
 leaves them to the reference, so the layers keep their unfused path. On an H200 each fused product alone is as
@@ -132,14 +132,15 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 bias: torch.Tensor | None) -> torch.Tensor:
     """int4_linear: one row of bfloat16 or float16 x on ``int4_digits_gemv`` (``int4_gemv`` where
     CHITU_INT4_DIGITS=0), else the portable kernel."""
-    if not _int4_pairs_take(x, qweight):
+    if not _int4_row_takes(x, qweight):
         return _pairs["int4_linear"](x, qweight, scales, zeros, group_size, bias)
     _pairs["int4_check"](x, qweight, scales, zeros, group_size)
     return _pairs["int4_digits" if INT4_DIGITS else "int4_gemv"](x, qweight, scales, zeros, group_size, bias)
 
 
-def _int4_pairs_take(x: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether ``int4_gemv`` takes x: one row of bfloat16 or float16, a weight with columns."""
+def _int4_row_takes(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether this plugin's one-row int4 kernels (``int4_digits_gemv``, ``int4_gemv``) take x: one row of
+    bfloat16 or float16, a weight with columns."""
     return (x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and PAIRS_GEMV
             and qweight.shape[-1] > 0)
 
@@ -150,7 +151,7 @@ def int4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     """Contract 1.18: one row on ``int4_gemv`` with the norm in its prologue (and the gated activation in its
     epilogue); else the norm, ``int4_linear`` and the activation."""
     _check_activation("int4_rms_norm_linear", activation)
-    if not _int4_pairs_take(x, qweight):
+    if not _int4_row_takes(x, qweight):
         return _gated(int4_linear(_unfused["rms_norm"](x, norm_weight, eps), qweight, scales, zeros, group_size, bias),
                       activation)
     _pairs["int4_check"](x, qweight, scales, zeros, group_size)
@@ -163,7 +164,7 @@ def int4_rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 def int4_linear_add(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
     """Contract 1.18: one row on ``int4_gemv`` with the residual in its epilogue; else ``int4_linear`` and the add."""
-    if not _int4_pairs_take(x, qweight):
+    if not _int4_row_takes(x, qweight):
         return residual + int4_linear(x, qweight, scales, zeros, group_size, bias)
     _pairs["int4_check"](x, qweight, scales, zeros, group_size)
     if tuple(residual.shape) != (*x.shape[:-1], qweight.shape[1]):

@@ -71,35 +71,27 @@ def best_of(fn_for, configs, sets):
     return best
 
 
+def tiles(n: int, units: int, block_ns, block_ks, per_units, warps):
+    """GemvConfig for every combination: block_n columns, block_k features a step, K split until there are
+    about per_unit programs a compute unit, warps a program."""
+    return [GemvConfig(bn, bk, max(1, -(-per_unit * units // -(-n // bn))), w)
+            for bn, bk, per_unit, w in itertools.product(block_ns, block_ks, per_units, warps)]
+
+
 def int4_configs(n: int, units: int):
-    out = []
-    for bn, bk, per_unit, warps, stages in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (4, 8), (1,)):
-        split = max(1, -(-per_unit * units // -(-n // bn)))
-        out.append(GemvConfig(bn, bk, split, warps, stages))
-    return out
+    return tiles(n, units, (64, 128, 256), (64, 128), (1, 2, 4), (4, 8))
 
 
 def pairs_configs(n: int, units: int):
-    out = []
-    for bn, bk, per_unit, warps in itertools.product((128, 256, 512), (32, 64), (2, 4, 8), (1, 2, 4)):
-        split = max(1, -(-per_unit * units // -(-n // bn)))
-        out.append(GemvConfig(bn, bk, split, warps))
-    return out
+    return tiles(n, units, (128, 256, 512), (32, 64), (2, 4, 8), (1, 2, 4))
 
 
 def digits_configs(n: int, units: int):
-    out = []
-    for bn, bk, per_unit, warps in itertools.product((256, 512), (32, 64), (2, 4, 8), (2, 4)):
-        split = max(1, -(-per_unit * units // -(-n // bn)))
-        out.append(GemvConfig(bn, bk, split, warps))
-    return out
+    return tiles(n, units, (256, 512), (32, 64), (2, 4, 8), (2, 4))
 
 
 def fp8_configs(n: int, units: int):
-    out = []
-    for bn, warps, per_unit in itertools.product((32, 64, 128), (2, 4, 8), (2, 4, 8)):
-        out.append(GemvConfig(bn, 128, max(1, -(-per_unit * units // -(-n // bn))), warps))
-    return out
+    return tiles(n, units, (32, 64, 128), (128,), (2, 4, 8), (2, 4, 8))
 
 
 def timed_rotated(fn, sets) -> float:
